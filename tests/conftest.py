@@ -1,0 +1,31 @@
+import os
+import pytest, torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)  # two workers on two cores: one thread each avoids oversubscription
+
+def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in items:
+            if "gpu" in item.keywords: item.add_marker(skip)
+
+@pytest.fixture(scope="session")
+def model_dir():
+    from minfer.model import default_model_dir
+    return default_model_dir()
+
+@pytest.fixture(scope="session")
+def model(model_dir):
+    from minfer.model import load_model
+    return load_model(model_dir, "float32")
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir):
+    from minfer.model import Tokenizer
+    return Tokenizer(model_dir)
+
+@pytest.fixture(scope="session")
+def llm(model_dir):
+    from minfer.llm import LLM
+    return LLM(model_dir)
