@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 PROMPT ?= What is the capital of France?
 STAMP := $(VENV)/.installed
 
-.PHONY: install model demo test test-notebooks test-py sync-check bench bench-kernels docs workshop clean
+.PHONY: install model demo test test-notebooks test-py sync-check bench bench-kernels docs docs-fresh chromium workshop clean
 
 install: $(STAMP) model
 
@@ -35,15 +35,23 @@ sync-check: install
 	  || { echo "minfer/ is out of sync with nbs/: run nbdev-export and commit"; git status --short minfer; exit 1; }
 
 test-notebooks: install
-	$(BIN)/nbdev-test --n_workers 2
+	$(BIN)/nbdev-test --n-workers 2
 
-test-py: install
+# tests/test_site.py needs docs/ built from the current sources, and a headless Chromium
+docs-fresh: install
+	$(BIN)/python tools/build_docs.py --if-stale
+
+chromium:
+	bash tools/install_chromium.sh
+
+test-py: install docs-fresh chromium
 	$(BIN)/pytest -q -n 2 tests
 
 test: sync-check test-notebooks test-py
 
 bench: install
-	$(BIN)/python benchmarks/bench_decode.py
+	$(BIN)/python benchmarks/bench_decode.py --record
+	$(BIN)/python benchmarks/bench_throughput.py --record
 
 bench-kernels: install
 	@for f in kernels/*.py; do echo "== $$f"; $(BIN)/python $$f || exit 1; done

@@ -7,7 +7,7 @@ Docs: https://minfer.github.io/minfer/llm.html.md"""
 # %% auto #0
 __all__ = ['SWITCHES', 'Completion', 'RequestOutput', 'LLM', 'generate', 'stream', 'chat', 'main']
 
-# %% ../nbs/11_llm.ipynb #8db0c7fd
+# %% ../nbs/11_llm.ipynb #83c7b6b6
 import argparse, sys, time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 from .model import load_model, Tokenizer, ModelConfig, default_model_dir, check_model_folder, DTYPES
 from .sampling import SamplingParams, Sequence, SequentialEngine
+from .engine import LLMEngine
 from .roofline import decode_bytes_per_token
 
-# %% ../nbs/11_llm.ipynb #f1282fdf
+# %% ../nbs/11_llm.ipynb #8c239716
 @dataclass
 class Completion:
     "One sample of a prompt."
@@ -42,11 +43,15 @@ class RequestOutput:
     @property
     def metrics(self): return self.samples[0].metrics
 
-# %% ../nbs/11_llm.ipynb #8b3cec62
+# %% ../nbs/11_llm.ipynb #de0b6b4c
 SWITCHES = {
-    "kv": ("none", "contiguous"),   # ch. 01, 02a
-    "dtype": ("auto", *DTYPES),     # ch. 00
+    "kv": ("none", "contiguous", "paged"),   # ch. 01, 02a, 03 (+ 08's continuous batching)
+    "dtype": ("auto", *DTYPES),              # ch. 00
     "device": ("auto", "cpu", "cuda"),
+    "attention": ("auto", "torch", "triton"),  # ch. 03 (PyTorch gather), 05 (Triton kernels)
+    "weights": ("auto",),                    # ch. 06 (AWQ INT4) is not written yet
+    "kv_dtype": ("auto",),                   # ch. 07 (KV quantization) is not written yet
+    "speculative": (None,),                  # ch. 09 is not written yet
 }
 
 def _check_choice(name, value):
@@ -54,11 +59,17 @@ def _check_choice(name, value):
     if value not in allowed:
         raise ValueError(f"{name}={value!r} is not supported; allowed: {', '.join(map(repr, allowed))}")
 
-# %% ../nbs/11_llm.ipynb #e0a6ddb0
+# %% ../nbs/11_llm.ipynb #ff59751f
 class LLM:
     "Load a model folder and generate text. `LLM()` uses the embedded default model (SmolLM2-135M-Instruct)."
-    def __init__(self, model=None, *, kv="contiguous", dtype="auto", device="auto"):
-        for name, value in (("kv", kv), ("dtype", dtype), ("device", device)): _check_choice(name, value)
+    def __init__(self, model=None, *, kv="paged", block_size=16, prefix_cache=False, attention="auto", dtype="auto", device="auto",
+                 max_num_seqs=64, max_num_batched_tokens=256, kv_cache_bytes=2**30, weights="auto", kv_dtype="auto", speculative=None):
+        switches = dict(kv=kv, dtype=dtype, device=device, attention=attention, weights=weights, kv_dtype=kv_dtype, speculative=speculative)
+        for name, value in switches.items(): _check_choice(name, value)
+        for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens), ("kv_cache_bytes", kv_cache_bytes)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1: raise ValueError(f"{name}={value!r} is invalid; use an integer >= 1")
+        if kv != "paged" and (prefix_cache or attention == "triton"):
+            raise ValueError(f"prefix_cache=True and attention='triton' need kv='paged' (got kv={kv!r})")
         if device == "auto": device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cuda" and not torch.cuda.is_available(): raise ValueError("device='cuda' requested but no CUDA device is available; use device='cpu'")
         # bf16 matmuls are slow on CPUs without bf16 units (0.9 GFLOP/s measured on the course's 2-core machine)
@@ -68,18 +79,28 @@ class LLM:
         self.config = ModelConfig.from_folder(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)
         self.model = load_model(self.model_dir, dtype, device)
-        self.dtype, self.device, self.kv = dtype, device, kv
+        self.dtype, self.device, self.kv, self.prefix_cache = dtype, device, kv, bool(prefix_cache)
         self.eos_ids = tuple(sorted({*self.config.eos_token_id, *([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])}))
-        self.engine = SequentialEngine(self.model, kv=kv)
+        if kv == "paged":
+            self.engine = LLMEngine(self.model, block_size=block_size, kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs,
+                                    max_num_batched_tokens=max_num_batched_tokens, prefix_cache=bool(prefix_cache), attention=attention)
+        else:
+            self.engine = SequentialEngine(self.model, kv=kv)
         with torch.inference_mode():  # first-call setup (thread pools, kernels) should not count as the first request's TTFT
             self.model(torch.tensor([0], device=device), torch.tensor([0], device=device), lambda l, q, k, v: q)
 
     @property
     def max_model_len(self): return self.config.max_position_embeddings
 
-    def __repr__(self): return f"LLM({str(self.model_dir)!r}, kv={self.kv!r}, dtype={self.dtype!r}, device={self.device!r})"
+    def __repr__(self): return f"LLM({str(self.model_dir)!r}, kv={self.kv!r}, prefix_cache={self.prefix_cache}, dtype={self.dtype!r}, device={self.device!r})"
 
-# %% ../nbs/11_llm.ipynb #f8956c35
+    @property
+    def max_request_tokens(self):
+        "Most tokens (prompt + generated) one request may hold: the context window, or the KV pool if smaller."
+        pool = self.engine.cache.num_blocks * self.engine.cache.block_size if self.kv == "paged" else self.max_model_len
+        return min(pool, self.max_model_len)
+
+# %% ../nbs/11_llm.ipynb #194dca60
 def _as_list(x, what):
     if isinstance(x, (str, dict)): return [x]
     if isinstance(x, (list, tuple)) and x: return list(x)
@@ -98,18 +119,18 @@ def _prepare(self, prompts, params, raw=True):
         if not isinstance(sp, SamplingParams): raise ValueError(f"params must be SamplingParams, got {type(sp).__name__}")
         sp.validate()
         ids = self.tokenizer.encode(p if raw else self._render_chat([{"role": "user", "content": p}]))
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt {i} is {len(ids)} tokens; this model's context is {self.max_model_len} tokens (prompt + at least 1 generated)")
+        if len(ids) >= self.max_request_tokens:
+            raise ValueError(f"prompt {i} is {len(ids)} tokens; at most {self.max_request_tokens - 1} fit (context window {self.max_model_len}, KV pool included)")
         jobs.append((p, ids, sp))
     return jobs
 LLM._prepare = _prepare
 
-# %% ../nbs/11_llm.ipynb #2a7c7b58
+# %% ../nbs/11_llm.ipynb #c5200462
 def _submit(self, prompt_ids, params):
-    max_len = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
+    max_len = min(len(prompt_ids) + params.max_tokens, self.max_request_tokens)
     seqs = [Sequence(prompt_ids, params, self.tokenizer, self.eos_ids, max_len=max_len,
                      seed=None if params.seed is None else params.seed + i) for i in range(params.n)]
-    for s in seqs: self.engine.add(s)
+    self.engine.add(seqs[0], forks=seqs[1:])  # on the paged engine the samples share the prompt's blocks
     return seqs
 
 def _output(prompt, seqs):
@@ -136,7 +157,7 @@ def _raw(self, raw): return self.tokenizer.chat_template is None if raw is None 
 
 LLM._submit, LLM._run, LLM.generate, LLM._raw = _submit, _run, generate, _raw
 
-# %% ../nbs/11_llm.ipynb #43d1cad5
+# %% ../nbs/11_llm.ipynb #846a22b6
 def stream(self, prompt, params=None, raw=None):
     "Yield text deltas for one prompt as they are generated (`raw` as in `generate`)."
     if not isinstance(prompt, str): raise ValueError(f"stream() takes one prompt string, got {type(prompt).__name__}")
@@ -169,10 +190,12 @@ def chat(self, messages, params=None):
 
 LLM.stream, LLM._render_chat, LLM.chat = stream, _render_chat, chat
 
-# %% ../nbs/11_llm.ipynb #c70335c0
+# %% ../nbs/11_llm.ipynb #544e6136
 def _add_common(p):
     p.add_argument("--model", default=None, help="Hugging Face model folder (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--kv", default="contiguous", help="KV cache: " + ", ".join(SWITCHES["kv"]))
+    p.add_argument("--kv", default="paged", help="KV cache: " + ", ".join(SWITCHES["kv"]))
+    p.add_argument("--prefix-cache", action="store_true", help="reuse the KV of earlier prompts' shared prefixes (kv=paged)")
+    p.add_argument("--attention", default="auto", help="attention kernels: " + ", ".join(SWITCHES["attention"]))
     p.add_argument("--dtype", default="auto", help="weights dtype: " + ", ".join(SWITCHES["dtype"]))
     p.add_argument("--device", default="auto")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -186,7 +209,7 @@ def _add_common(p):
 def _raw_flag(p): p.add_argument("--raw", action="store_true", help="send the prompt as-is, without the chat template")
 
 def _params(a): return SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens, seed=a.seed, stop=a.stop)
-def _llm(a): return LLM(a.model, kv=a.kv, dtype=a.dtype, device=a.device)
+def _llm(a): return LLM(a.model, kv=a.kv, prefix_cache=a.prefix_cache, attention=a.attention, dtype=a.dtype, device=a.device)
 
 def _print_metrics(m, file=sys.stderr):
     fmt = lambda v: "-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))

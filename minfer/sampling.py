@@ -7,7 +7,7 @@ Docs: https://minfer.github.io/minfer/sampling.html.md"""
 # %% auto #0
 __all__ = ['SamplingParams', 'sample', 'RequestMetrics', 'Sequence', 'SequentialEngine']
 
-# %% ../nbs/02b_sampling.ipynb #9b578b99
+# %% ../nbs/02b_sampling.ipynb #ba8278b0
 import itertools, time
 from dataclasses import dataclass, field
 import torch
@@ -15,7 +15,7 @@ from .model import NoCache
 from .kvcache import ContiguousKVCache
 from .roofline import Ledger
 
-# %% ../nbs/02b_sampling.ipynb #03e4a9eb
+# %% ../nbs/02b_sampling.ipynb #6286e165
 @dataclass
 class SamplingParams:
     "How to pick tokens and when to stop. temperature=0 is greedy; top_k=0 and top_p=1 switch those filters off."
@@ -44,7 +44,7 @@ class SamplingParams:
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0): bad(f"seed={self.seed!r}", "use a non-negative integer or None")
         if not all(isinstance(s, str) and s for s in self.stop): bad(f"stop={self.stop!r}", "use a non-empty string or a list of them")
 
-# %% ../nbs/02b_sampling.ipynb #87fa5c3e
+# %% ../nbs/02b_sampling.ipynb #e1574408
 def sample(logits, params, generator=None):
     "One token id from a [vocab] row of logits."
     if params.temperature == 0: return int(logits.argmax())
@@ -59,7 +59,7 @@ def sample(logits, params, generator=None):
         probs = probs.scatter(0, idx, sorted_p.masked_fill(drop, 0))
     return int(torch.multinomial(probs, 1, generator=generator))
 
-# %% ../nbs/02b_sampling.ipynb #efd8bfe6
+# %% ../nbs/02b_sampling.ipynb #d5efbee5
 @dataclass
 class RequestMetrics:
     "Per-request timings (seconds) and the ledger's bytes moved per generated token."
@@ -87,7 +87,7 @@ class RequestMetrics:
         keys = ("queue_time", "ttft", "tpot", "tokens_per_s", "num_prompt_tokens", "num_generated_tokens", "num_cached_tokens", "bytes_per_token")
         return {k: getattr(self, k) for k in keys}
 
-# %% ../nbs/02b_sampling.ipynb #eab85f71
+# %% ../nbs/02b_sampling.ipynb #00192cd2
 class Sequence:
     "One stream of tokens: the prompt, what has been generated, how to sample it and when it is finished."
     _ids = itertools.count()
@@ -150,14 +150,16 @@ class Sequence:
         delta, self._streamed = self.text[self._streamed:end], end
         return delta
 
-# %% ../nbs/02b_sampling.ipynb #a87b3f4a
+# %% ../nbs/02b_sampling.ipynb #5d687674
 class SequentialEngine:
     "Serve sequences one at a time: kv='none' recomputes everything (ch. 01), kv='contiguous' keeps a cache (ch. 02a)."
     def __init__(self, model, kv="contiguous"):
         self.model, self.kv, self.waiting, self.current, self.cache = model, kv, [], None, None
         self.ledger = Ledger(model.cfg, {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[model.dtype])
 
-    def add(self, seq): self.waiting.append(seq)
+    def add(self, seq, forks=()):
+        "Queue a sequence; `forks` (further samples of the same prompt) simply run after it, each on its own."
+        self.waiting += [seq, *forks]
     def has_unfinished(self): return self.current is not None or bool(self.waiting)
 
     def abort(self, seq_id):

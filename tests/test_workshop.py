@@ -1,0 +1,97 @@
+"""Workshop mode: every exercise's check fails on the student stub and passes with the solution restored.
+
+For each exercise, a fresh IPython shell (execnb's, as nbdev-test uses) runs only the cells the exercise and its check
+need (`workshop.setup_cells`: cells with imports, plus the latest cell defining each name they read), then the stub
+and the check (must raise), then the solution and the check (must pass).
+"""
+import ast, os, sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+import workshop  # noqa: E402
+
+try:
+    EXERCISES, BROKEN = [(p, ex) for p in workshop.notebooks() for ex in workshop.find_exercises(p)], None
+except ValueError as e:  # reported by the first test rather than as a collection error
+    EXERCISES, BROKEN = [], str(e)
+
+
+def test_convention_is_followed():
+    "Every exercise parses: functions only, a check after it, never exported (find_exercises raises otherwise)."
+    assert BROKEN is None, BROKEN
+    assert EXERCISES, "no exercises found in nbs/: chapters 00a and 00b have some"
+    for p, ex in EXERCISES:
+        assert ex.functions and ex.check > ex.cell, ex.id
+
+
+def test_stub_keeps_signature_and_docstring_and_drops_the_solution():
+    src = ('#| exercise\n# hint: think "rows"\ndef f(x, y=2, *, k=3):\n    "Doc of f."\n    # the answer\n'
+           '    return x + y\n\ndef g(a): return a * 2\n')
+    stub = workshop.stub_source(src)
+    tree = ast.parse(stub)
+    f, g = tree.body
+    assert ast.unparse(f.args) == "x, y=2, *, k=3" and ast.get_docstring(f) == "Doc of f."
+    assert "return" not in stub and "the answer" not in stub
+    assert stub.splitlines()[:2] == src.splitlines()[:2]  # directive and hint stay for the student
+    for fn in (f, g):
+        ns = {}
+        exec(compile(ast.Module([fn], []), "<stub>", "exec"), ns)
+        with pytest.raises(NotImplementedError, match='think "rows"'): ns[fn.name](1)
+
+
+def test_broken_convention_is_reported(tmp_path):
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("#| exercise\nx = 1\ndef f(): return x")])
+    nbformat.write(nb, tmp_path / "bad.ipynb")
+    with pytest.raises(ValueError, match="bad.ipynb, cell 0: an exercise cell holds only function definitions"):
+        workshop.find_exercises(tmp_path / "bad.ipynb")
+    nb.cells = [nbformat.v4.new_code_cell("#| exercise\ndef f(): return 1")]
+    nbformat.write(nb, tmp_path / "bad.ipynb")
+    with pytest.raises(ValueError, match="followed by a code cell that checks it"):
+        workshop.find_exercises(tmp_path / "bad.ipynb")
+
+
+def test_workshop_writes_student_copies(tmp_path):
+    assert workshop.main(["--out", str(tmp_path / "ws")]) == 0
+    written = sorted(p.name for p in (tmp_path / "ws").glob("*.ipynb"))
+    assert written == [p.name for p in workshop.notebooks()]
+    for p, ex in EXERCISES:
+        nb = nbformat.read(tmp_path / "ws" / p.name, as_version=4)
+        nbformat.validate(nb)
+        assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), f"{p.name}: outputs not cleared"
+        assert not any("nbdev_export()" in c.source for c in nb.cells)
+        stubs = [c for c in nb.cells if workshop.is_exercise(c)]
+        assert all("NotImplementedError" in c.source for c in stubs)
+        orig = nbformat.read(p, as_version=4)
+        by_id = {c.id: c for c in nb.cells}
+        assert by_id[orig.cells[ex.check].id].source == orig.cells[ex.check].source, f"{ex.id}: check cell not kept"
+        assert by_id[orig.cells[ex.cell].id].source == workshop.stub_source(orig.cells[ex.cell].source)
+
+
+def _run(shell, source):
+    shell.run(source)
+    return shell.exc
+
+
+@pytest.mark.parametrize("nb_path,ex", EXERCISES, ids=[ex.id for _, ex in EXERCISES])
+def test_check_fails_on_stub_and_passes_with_solution(nb_path, ex, monkeypatch):
+    from execnb.shell import CaptureShell
+    nb = nbformat.read(nb_path, as_version=4)
+    monkeypatch.chdir(nb_path.parent)  # as nbdev-test runs them
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    shell = CaptureShell(mpl_format=None)
+    for i in workshop.setup_cells(nb, ex):
+        exc = _run(shell, nb.cells[i].source)
+        assert exc is None, f"{nb_path.name} cell {i} (setup for {ex.id}) failed: {exc!r}"
+    solution, check = nb.cells[ex.cell].source, nb.cells[ex.check].source
+    exc = _run(shell, workshop.stub_source(solution))
+    assert exc is None, f"defining the stub failed: {exc!r}"
+    exc = _run(shell, check)
+    assert exc is not None, f"{ex.id}: the check passes even with the stub: it does not test the exercise"
+    exc = _run(shell, solution)
+    assert exc is None, f"{ex.id}: the solution cell failed: {exc!r}"
+    exc = _run(shell, check)
+    assert exc is None, f"{ex.id}: the check fails with the solution: {exc!r}"
