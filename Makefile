@@ -35,7 +35,7 @@ sync-check: install
 	  || { echo "minfer/ is out of sync with nbs/: run nbdev-export and commit"; git status --short minfer; exit 1; }
 
 test-notebooks: install
-	$(BIN)/nbdev-test --n-workers 2
+	$(BIN)/nbdev-test --n-workers 1
 
 # tests/test_site.py needs docs/ built from the current sources, and a headless Chromium
 docs-fresh: install

@@ -16,7 +16,7 @@ extensions = ["myst_nb", "sphinx.ext.autodoc", "mathml"]
 # notebooks are shown with their stored outputs: the build never runs them
 nb_execution_mode = "off"
 nb_merge_streams = True
-nb_output_stderr = "remove-warn"
+nb_output_stderr = "remove"  # library warnings (e.g. transformers) are noise on a course page
 myst_enable_extensions = ["dollarmath", "amsmath", "colon_fence", "deflist", "attrs_inline"]
 myst_heading_anchors = 3
 myst_dmath_double_inline = True
