@@ -34,8 +34,12 @@ sync-check: install
 	@git diff --quiet -- minfer && test -z "$$(git ls-files --others --exclude-standard minfer)" \
 	  || { echo "minfer/ is out of sync with nbs/: run nbdev-export and commit"; git status --short minfer; exit 1; }
 
+# Without CUDA, Triton kernels run only in Triton's interpreter, which must be chosen before anything imports triton
+# (transformers may import it early, in the same process as chapter 05's notebook or test_flash.py).
+INTERPRET_IF_NO_CUDA = if $(BIN)/python -c "import torch, sys; sys.exit(torch.cuda.is_available())"; then export TRITON_INTERPRET=1; fi;
+
 test-notebooks: install
-	$(BIN)/nbdev-test --n-workers 1
+	$(INTERPRET_IF_NO_CUDA) $(BIN)/nbdev-test --n-workers 1
 
 # tests/test_site.py needs docs/ built from the current sources, and a headless Chromium
 docs-fresh: install
@@ -45,7 +49,7 @@ chromium:
 	bash tools/install_chromium.sh
 
 test-py: install docs-fresh chromium
-	$(BIN)/pytest -q -n 2 tests
+	$(INTERPRET_IF_NO_CUDA) $(BIN)/pytest -q -n 2 tests
 
 test: sync-check test-notebooks test-py
 
