@@ -70,7 +70,7 @@ def step(self):
     needs_logits = [i for i, (s, n) in enumerate(batch) if s.num_computed + n == len(s)]
     # always run the pass, even when no sequence needs logits: a prefill chunk's job is to write its KV
     logits = self.model(tokens, positions, self.attn, logits_rows=last[needs_logits])
-    self._account(batch)
+    self._account(batch, len(needs_logits))
     ready = self.scheduler.update(batch)
     rows = dict(zip([batch[i][0].id for i in needs_logits], range(len(needs_logits))))
     out = []
@@ -89,9 +89,9 @@ def step(self):
     self.history.append((time.perf_counter() - self.t0, kinds, self.cache.allocator.num_used))
     return out
 
-def _account(self, batch):
+def _account(self, batch, n_logits):
     "Ledger for the step, and each sequence's share: weights split evenly over the batch, plus its own KV traffic."
-    self.ledger.record([n for _, n in batch], [s.num_computed for s, _ in batch], logits_rows=len(batch))
+    self.ledger.record([n for _, n in batch], [s.num_computed for s, _ in batch], logits_rows=n_logits)
     w, kvb = weight_bytes_per_step(self.cfg, self.ledger.dtype) / len(batch), kv_bytes_per_token(self.cfg, self.ledger.dtype)
     for s, n in batch: s.bytes_moved = getattr(s, "bytes_moved", 0) + w + (s.num_computed + n) * kvb
 
