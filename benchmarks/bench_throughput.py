@@ -13,7 +13,7 @@ import argparse, datetime, statistics, sys, time
 from pathlib import Path
 
 import torch
-from minfer.model import load_model, default_model_dir, Tokenizer
+from minfer.model import load_model, default_model_dir, Tokenizer, can_pack, pack_weights
 from minfer.engine import LLMEngine, make_workload, workload_sequence
 from minfer.roofline import measure_bandwidth, weight_bytes_per_step
 
@@ -55,6 +55,8 @@ def main():
     from transformers import LlamaForCausalLM
     d = default_model_dir()
     model, tok = load_model(d, a.dtype), Tokenizer(d)
+    weights = "packed" if can_pack(model.dtype, model.device) else "plain"  # what LLM(weights="auto") does
+    if weights == "packed": pack_weights(model)
     hf = LlamaForCausalLM.from_pretrained(d, dtype=getattr(torch, a.dtype)).eval()
     work = make_workload(tok, a.requests, seed=0)
     kw = dict(max_num_seqs=64, max_num_batched_tokens=512)
@@ -71,7 +73,7 @@ def main():
              f"- command: `python benchmarks/bench_throughput.py {' '.join(sys.argv[1:])}`",
              f"- workload: make_workload(seed=0): prompts {min(plens)}-{max(plens)} tokens (median {statistics.median(plens):.0f}, total {sum(plens)}), "
              f"outputs {min(olens)}-{max(olens)} (total {sum(olens)}), all at t=0; dtype {a.dtype}",
-             f"- minfer: LLMEngine(max_num_seqs=64, max_num_batched_tokens=512, block_size=16), PyTorch paged attention; last run: {stats}",
+             f"- minfer: LLMEngine(max_num_seqs=64, max_num_batched_tokens=512, block_size=16), PyTorch paged attention, {weights} weights; last run: {stats}",
              f"- transformers: generate() in left-padded static batches of {a.hf_batch}, each to its longest output", "",
              "| engine | useful output tokens/s |", "|---|---|",
              f"| minfer (continuous batching + chunked prefill) | {statistics.median(ours):.1f} |",

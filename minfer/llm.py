@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from .model import load_model, Tokenizer, ModelConfig, default_model_dir, check_model_folder, DTYPES
+from .model import load_model, Tokenizer, ModelConfig, default_model_dir, check_model_folder, DTYPES, can_pack, pack_weights
 from .sampling import SamplingParams, Sequence, SequentialEngine
 from .engine import LLMEngine
 from .roofline import decode_bytes_per_token
@@ -49,7 +49,7 @@ SWITCHES = {
     "dtype": ("auto", *DTYPES),              # ch. 00
     "device": ("auto", "cpu", "cuda"),
     "attention": ("auto", "torch", "triton"),  # ch. 03 (PyTorch gather), 05 (Triton kernels)
-    "weights": ("auto",),                    # ch. 06 (AWQ INT4) is not written yet
+    "weights": ("auto", "plain", "packed"),  # ch. 00a (oneDNN-packed fp32 on CPU); ch. 06 (AWQ INT4) is not written yet
     "kv_dtype": ("auto",),                   # ch. 07 (KV quantization) is not written yet
     "speculative": (None,),                  # ch. 09 is not written yet
 }
@@ -74,12 +74,16 @@ class LLM:
         if device == "cuda" and not torch.cuda.is_available(): raise ValueError("device='cuda' requested but no CUDA device is available; use device='cpu'")
         # bf16 matmuls are slow on CPUs without bf16 units (0.9 GFLOP/s measured on the course's 2-core machine)
         if dtype == "auto": dtype = "bfloat16" if device == "cuda" else "float32"
+        if weights == "auto": weights = "packed" if can_pack(dtype, device) else "plain"
+        if weights == "packed" and not can_pack(dtype, device):
+            raise ValueError(f"weights='packed' needs dtype='float32' on device='cpu' with oneDNN (got {dtype!r} on {device!r}); use weights='plain'")
         self.model_dir = Path(model) if model is not None else default_model_dir()
         check_model_folder(self.model_dir)
         self.config = ModelConfig.from_folder(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)
         self.model = load_model(self.model_dir, dtype, device)
-        self.dtype, self.device, self.kv, self.prefix_cache = dtype, device, kv, bool(prefix_cache)
+        if weights == "packed": pack_weights(self.model)
+        self.dtype, self.device, self.kv, self.prefix_cache, self.weights = dtype, device, kv, bool(prefix_cache), weights
         self.eos_ids = tuple(sorted({*self.config.eos_token_id, *([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])}))
         if kv == "paged":
             self.engine = LLMEngine(self.model, block_size=block_size, kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs,
@@ -92,7 +96,7 @@ class LLM:
     @property
     def max_model_len(self): return self.config.max_position_embeddings
 
-    def __repr__(self): return f"LLM({str(self.model_dir)!r}, kv={self.kv!r}, prefix_cache={self.prefix_cache}, dtype={self.dtype!r}, device={self.device!r})"
+    def __repr__(self): return f"LLM({str(self.model_dir)!r}, kv={self.kv!r}, prefix_cache={self.prefix_cache}, dtype={self.dtype!r}, weights={self.weights!r}, device={self.device!r})"
 
     @property
     def max_request_tokens(self):
@@ -197,6 +201,7 @@ def _add_common(p):
     p.add_argument("--prefix-cache", action="store_true", help="reuse the KV of earlier prompts' shared prefixes (kv=paged)")
     p.add_argument("--attention", default="auto", help="attention kernels: " + ", ".join(SWITCHES["attention"]))
     p.add_argument("--dtype", default="auto", help="weights dtype: " + ", ".join(SWITCHES["dtype"]))
+    p.add_argument("--weights", default="auto", help="weight layout: " + ", ".join(SWITCHES["weights"]))
     p.add_argument("--device", default="auto")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -209,7 +214,7 @@ def _add_common(p):
 def _raw_flag(p): p.add_argument("--raw", action="store_true", help="send the prompt as-is, without the chat template")
 
 def _params(a): return SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens, seed=a.seed, stop=a.stop)
-def _llm(a): return LLM(a.model, kv=a.kv, prefix_cache=a.prefix_cache, attention=a.attention, dtype=a.dtype, device=a.device)
+def _llm(a): return LLM(a.model, kv=a.kv, prefix_cache=a.prefix_cache, attention=a.attention, dtype=a.dtype, weights=a.weights, device=a.device)
 
 def _print_metrics(m, file=sys.stderr):
     fmt = lambda v: "-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))

@@ -12,6 +12,7 @@ __all__ = ['OutOfBlocks', 'BlockAllocator', 'BlockTable', 'BatchMeta', 'build_ba
 from collections import deque
 from dataclasses import dataclass
 import torch
+import torch.nn.functional as F
 from .model import attend
 from .roofline import kv_bytes_per_token
 
@@ -173,26 +174,61 @@ class PagedKVCache:
 
 # %% ../nbs/03_paged.ipynb #2d4b7ed3
 class PagedAttention:
-    """The model's `attention(layer, q, k, v)` over a paged cache. Set `self.meta` (a `BatchMeta`) before each forward.
+    """The model's `attention(layer, q, k, v)` over a paged cache. Set `meta` (a `BatchMeta`) before each forward.
     `__call__` writes the new k, v at `meta.slot_mapping`; `attention` is the PyTorch reference (subclasses override it)."""
-    def __init__(self, cache): self.cache, self.meta = cache, None
+    decode_group = 16  # decode sequences attended together in one padded SDPA call (sorted by length, so little padding)
+
+    def __init__(self, cache): self.cache, self._meta, self.plan = cache, None, None
+
+    @property
+    def meta(self): return self._meta
+    @meta.setter
+    def meta(self, meta): self._meta, self.plan = meta, None  # the plan is made by the first layer, used by all
 
     def __call__(self, layer, q, k, v):
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
         slots = self.meta.slot_mapping
-        k_cache.view(-1, *k_cache.shape[2:])[slots] = k.to(k_cache.dtype)
-        v_cache.view(-1, *v_cache.shape[2:])[slots] = v.to(v_cache.dtype)
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
         return self.attention(q, k_cache, v_cache, self.meta)
 
+    def make_plan(self, meta, bs):
+        """Which rows attend to which blocks — the same in every layer, so worked out once per step.
+        Prefill chunks: (first row, end row, block ids, length) each. Decode rows (one new token): groups of up to
+        `decode_group` sequences of similar length: (rows, block ids of all of them, padded length, key mask or None).
+        bs: tokens per block."""
+        dev = meta.block_tables.device
+        cu, lens, tables = meta.cu_seqlens_q.tolist(), meta.seq_lens.tolist(), meta.block_tables.tolist()
+        blocks = lambda i, nb: tables[i][:nb]
+        prefill = [(cu[i], cu[i + 1], torch.tensor(blocks(i, -(-n // bs)), device=dev), n)
+                   for i, n in enumerate(lens) if cu[i + 1] - cu[i] > 1]
+        dec = sorted((i for i in range(len(lens)) if cu[i + 1] - cu[i] == 1), key=lambda i: lens[i])
+        decode = []
+        for g in (dec[j:j + self.decode_group] for j in range(0, len(dec), self.decode_group)):
+            glens = [lens[i] for i in g]
+            nb = -(-max(glens) // bs)
+            ids = torch.tensor([b for i in g for b in blocks(i, nb) + [0] * (nb - len(blocks(i, nb)))], device=dev)
+            mask = None if min(glens) == max(glens) else \
+                (torch.arange(max(glens), device=dev) < torch.tensor(glens, device=dev)[:, None])[:, None, None, :]
+            decode.append((torch.tensor([cu[i] for i in g], device=dev), ids, max(glens), mask))
+        return prefill, decode
+
     def attention(self, q, k_cache, v_cache, meta):
-        "Per sequence: gather its K/V through its block table into a contiguous tensor, then `attend`."
-        bs, out = k_cache.shape[1], torch.empty_like(q)
-        cu, lens = meta.cu_seqlens_q.tolist(), meta.seq_lens.tolist()
-        for i, n in enumerate(lens):
-            if cu[i + 1] == cu[i]: continue
-            blocks = meta.block_tables[i, :-(-n // bs)].long()
-            k, v = (c[blocks].flatten(0, 1)[:n] for c in (k_cache, v_cache))
-            out[cu[i]:cu[i + 1]] = attend(q[cu[i]:cu[i + 1]], k, v).to(q.dtype)
+        "Gather K/V through the block tables into contiguous tensors, then SDPA: one call per decode group, one per prefill chunk."
+        if self.plan is None: self.plan = self.make_plan(meta, k_cache.shape[1])
+        prefill, decode = self.plan
+        out = torch.empty_like(q)
+        for r0, r1, blocks, n in prefill:
+            k, v = (c.index_select(0, blocks).flatten(0, 1)[:n] for c in (k_cache, v_cache))
+            out[r0:r1] = attend(q[r0:r1], k, v).to(q.dtype)
+        for rows, ids, n, mask in decode:
+            g, (bs, h, d) = len(rows), k_cache.shape[1:]
+            # [g, blocks, block_size, h, d] -> [g, h, keys, d], cut to the longest sequence; the mask hides the rest
+            k, v = (c.index_select(0, ids).view(g, -1, h, d)[:, :n].transpose(1, 2) for c in (k_cache, v_cache))
+            if mask is not None:  # padding holds other tokens' KV, maybe inf: zero it so 0 * garbage cannot be NaN
+                k, v = (x.masked_fill(~mask.transpose(2, 3), 0) for x in (k, v))
+            o = F.scaled_dot_product_attention(q.index_select(0, rows)[:, :, None], k, v, attn_mask=mask, enable_gqa=True)
+            out.index_copy_(0, rows, o[:, :, 0].to(q.dtype))
         return out
 
 # %% ../nbs/03_paged.ipynb #b253905e

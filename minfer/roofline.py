@@ -14,6 +14,7 @@ __all__ = ['DTYPE_BYTES', 'DEVICES', 'MODELS', 'BATCHES', 'CONTEXTS', 'param_cou
 import time
 from dataclasses import dataclass
 import torch
+import torch.nn.functional as F
 
 # %% ../nbs/00b_roofline.ipynb #4120571e
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "int4": 0.5}
@@ -67,21 +68,23 @@ def measure_matmul_flops(n=1024, dtype="float32", device="cpu"):
     sync = torch.cuda.synchronize if a.is_cuda else (lambda: None)
     return 2 * n**3 / _median_time(lambda: (a @ b, sync()))
 
-def measure_matvec_bandwidth(cfg, dtype="float32", device="cpu"):
-    "Bytes/s that one-token matrix-vector products reach on the model's own weight shapes (the practical decode ceiling)."
+def measure_matvec_bandwidth(cfg, dtype="float32", device="cpu", packed=False):
+    """Bytes/s that one-token matrix-vector products reach on the model's own weight shapes (the practical decode ceiling).
+    packed=False: `F.linear`, PyTorch's default; packed=True: oneDNN on pre-packed weights (`PackedLinear`, fp32 CPU)."""
+    from minfer.model import PackedLinear
     dt, h = getattr(torch, dtype), cfg.hidden_size
     shapes = [((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim, h),
               (h, cfg.num_attention_heads * cfg.head_dim), (2 * cfg.intermediate_size, h), (h, cfg.intermediate_size)]
     # one set of matrices per layer, so the working set is the model's, not a cache-resident toy
-    layers = [[torch.randn(*s, dtype=dt, device=device) for s in shapes] for _ in range(cfg.num_hidden_layers)]
-    head = torch.randn(cfg.vocab_size, h, dtype=dt, device=device)
+    mats = [torch.randn(*s, dtype=dt, device=device) for _ in range(cfg.num_hidden_layers) for s in shapes]
+    mats.append(torch.randn(cfg.vocab_size, h, dtype=dt, device=device))  # the LM head
+    ops = [PackedLinear(w) if packed else (lambda x, w=w: F.linear(x, w)) for w in mats]
     xs = {s[1]: torch.randn(1, s[1], dtype=dt, device=device) for s in shapes}
-    sync = torch.cuda.synchronize if head.is_cuda else (lambda: None)
+    sync = torch.cuda.synchronize if mats[0].is_cuda else (lambda: None)
     def step():
-        for ws in layers:
-            for w in ws: xs[w.shape[1]] @ w.T
-        xs[h] @ head.T; sync()
-    nbytes = sum(w.numel() * w.element_size() for ws in layers for w in ws) + head.numel() * head.element_size()
+        for w, op in zip(mats, ops): op(xs[w.shape[1]])
+        sync()
+    nbytes = sum(w.numel() * w.element_size() for w in mats)
     return nbytes / _median_time(step, repeat=9)
 
 # %% ../nbs/00b_roofline.ipynb #496832c1

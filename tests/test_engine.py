@@ -114,8 +114,11 @@ def test_forks_share_prompt_blocks(model, tokenizer):
 def test_llm_paged_switches_equal_naive(model_dir, model, tokenizer):
     from minfer.naive import naive_generate
     p = SamplingParams(max_tokens=8, ignore_eos=True)
-    for kw in (dict(kv="paged"), dict(kv="paged", prefix_cache=True, block_size=4), dict(kv="paged", max_num_batched_tokens=5)):
+    # the default on CPU is weights="packed" (oneDNN layout, different summation order); "plain" is the reference layout
+    for kw in (dict(kv="paged"), dict(kv="paged", weights="plain"), dict(kv="paged", prefix_cache=True, block_size=4),
+               dict(kv="paged", max_num_batched_tokens=5), dict(kv="contiguous", weights="packed")):
         llm = LLM(model_dir, **kw)
+        assert llm.weights == kw.get("weights", "packed")
         outs = llm.generate(TEXTS[:4], p, raw=True)
         for t, o in zip(TEXTS, outs):
             want = naive_generate(model, tokenizer.encode(t), 8)

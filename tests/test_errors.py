@@ -37,10 +37,15 @@ def test_mutated_params_are_rechecked(llm):
     p = SamplingParams(); p.max_tokens = -1
     with pytest.raises(ValueError, match="max_tokens"): llm.generate("hi", p)
 
-@pytest.mark.parametrize("kw,word", [(dict(kv="infinite"), "kv="), (dict(dtype="int3"), "dtype="), (dict(device="tpu"), "device=")])
+@pytest.mark.parametrize("kw,word", [(dict(kv="infinite"), "kv="), (dict(dtype="int3"), "dtype="), (dict(device="tpu"), "device="),
+                                     (dict(weights="int4"), "weights=")])
 def test_unknown_switch_values(model_dir, kw, word):
     with pytest.raises(ValueError) as e: LLM(model_dir, **kw)
     assert one_line(e.value) and word in str(e.value) and "allowed" in str(e.value)
+
+def test_packed_weights_need_fp32_cpu(model_dir):
+    with pytest.raises(ValueError) as e: LLM(model_dir, weights="packed", dtype="bfloat16")
+    assert one_line(e.value) and "weights='packed'" in str(e.value) and "use weights='plain'" in str(e.value)
 
 def test_missing_model_folder(tmp_path):
     with pytest.raises(FileNotFoundError) as e: LLM(tmp_path / "nope")

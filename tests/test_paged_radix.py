@@ -69,14 +69,20 @@ def test_batch_meta_layout():
     with pytest.raises(ValueError, match="cannot hold"): build_batch_meta([([1], 3, 2)], block_size=4)
 
 
-def test_paged_attention_matches_contiguous_attention():
+@pytest.mark.parametrize("lens, q_lens, decode_group", [
+    ([7, 1, 12], [3, 1, 12], 16),                   # prefill chunk after a cached prefix, a lone decode, a whole prompt
+    ([5, 9, 16, 2, 11, 3], [1] * 6, 4),              # decodes of different lengths: two padded groups, masked
+    ([7, 13, 4, 20, 6], [1, 5, 1, 1, 1], 16),        # mixed: one prefill chunk among decodes
+])
+def test_paged_attention_matches_contiguous_attention(lens, q_lens, decode_group):
     "Random K/V scattered over out-of-order blocks, NaN everywhere else: same output as `attend` on contiguous K/V."
     from types import SimpleNamespace
     from minfer.model import attend
     g = torch.Generator().manual_seed(0)
-    bs, H, Hq, D, lens, q_lens = 4, 2, 6, 8, [7, 1, 12], [3, 1, 12]
-    cache = SimpleNamespace(k=[torch.full((16, bs, H, D), float("nan"))], v=[torch.full((16, bs, H, D), float("nan"))])
-    ids = torch.randperm(16, generator=g).tolist()
+    bs, H, Hq, D = 4, 2, 6, 8
+    nblocks = sum(-(-n // bs) for n in lens) + 3  # spare blocks stay NaN; padding may point at them
+    cache = SimpleNamespace(k=[torch.full((nblocks, bs, H, D), float("nan"))], v=[torch.full((nblocks, bs, H, D), float("nan"))])
+    ids = torch.randperm(nblocks, generator=g).tolist()
     tables, seqs, ks, vs, qs = [], [], [], [], []
     for n, nq in zip(lens, q_lens):
         nb = -(-n // bs); tables.append(ids[:nb]); ids = ids[nb:]
@@ -85,7 +91,7 @@ def test_paged_attention_matches_contiguous_attention():
         if len(slots): cache.k[0].view(-1, H, D)[slots], cache.v[0].view(-1, H, D)[slots] = k[:n - nq], v[:n - nq]
         seqs.append((tables[-1], n - nq, nq)); ks.append(k); vs.append(v); qs.append(q)
     attn = PagedAttention(cache)
-    attn.meta = build_batch_meta(seqs, bs)
+    attn.decode_group, attn.meta = decode_group, build_batch_meta(seqs, bs)
     new_k, new_v = torch.cat([k[n - nq:] for k, n, nq in zip(ks, lens, q_lens)]), torch.cat([v[n - nq:] for v, n, nq in zip(vs, lens, q_lens)])
     out = attn(0, torch.cat(qs), new_k, new_v)
     ref = torch.cat([attend(q, k, v) for q, k, v in zip(qs, ks, vs)])
