@@ -193,40 +193,38 @@ class PagedAttention:
         return self.attention(q, k_cache, v_cache, self.meta)
 
     def make_plan(self, meta, bs):
-        """Which rows attend to which blocks — the same in every layer, so worked out once per step.
+        """Which rows attend to which cache slots — the same in every layer, so worked out once per step.
         Prefill chunks: (first row, end row, block ids, length) each. Decode rows (one new token): groups of up to
-        `decode_group` sequences of similar length: (rows, block ids of all of them, padded length, key mask or None).
+        `decode_group` sequences of similar length: (rows, slot ids of g sequences x the longest, key mask or None).
         bs: tokens per block."""
         dev = meta.block_tables.device
-        cu, lens, tables = meta.cu_seqlens_q.tolist(), meta.seq_lens.tolist(), meta.block_tables.tolist()
-        blocks = lambda i, nb: tables[i][:nb]
-        prefill = [(cu[i], cu[i + 1], torch.tensor(blocks(i, -(-n // bs)), device=dev), n)
+        cu, lens = meta.cu_seqlens_q.tolist(), meta.seq_lens.tolist()
+        prefill = [(cu[i], cu[i + 1], meta.block_tables[i, :-(-n // bs)].long(), n)
                    for i, n in enumerate(lens) if cu[i + 1] - cu[i] > 1]
         dec = sorted((i for i in range(len(lens)) if cu[i + 1] - cu[i] == 1), key=lambda i: lens[i])
         decode = []
         for g in (dec[j:j + self.decode_group] for j in range(0, len(dec), self.decode_group)):
-            glens = [lens[i] for i in g]
-            nb = -(-max(glens) // bs)
-            ids = torch.tensor([b for i in g for b in blocks(i, nb) + [0] * (nb - len(blocks(i, nb)))], device=dev)
-            mask = None if min(glens) == max(glens) else \
-                (torch.arange(max(glens), device=dev) < torch.tensor(glens, device=dev)[:, None])[:, None, None, :]
-            decode.append((torch.tensor([cu[i] for i in g], device=dev), ids, max(glens), mask))
+            idx = torch.tensor(g, device=dev)
+            pos = torch.arange(lens[g[-1]], device=dev)  # sorted, so the last is the longest
+            valid = pos < meta.seq_lens[idx, None]
+            slots = meta.block_tables[idx].long()[:, pos // bs] * bs + pos % bs
+            # padding reads the sequence's own first key (then masked out), never another request's data, which may be inf
+            slots = torch.where(valid, slots, slots[:, :1])
+            mask = None if lens[g[0]] == lens[g[-1]] else valid[:, None, None, :]
+            decode.append((meta.cu_seqlens_q[idx].long(), slots.flatten(), mask))
         return prefill, decode
 
     def attention(self, q, k_cache, v_cache, meta):
-        "Gather K/V through the block tables into contiguous tensors, then SDPA: one call per decode group, one per prefill chunk."
+        "Gather K/V into contiguous tensors, then SDPA: one call per prefill chunk, one per group of decode rows."
         if self.plan is None: self.plan = self.make_plan(meta, k_cache.shape[1])
         prefill, decode = self.plan
         out = torch.empty_like(q)
         for r0, r1, blocks, n in prefill:
             k, v = (c.index_select(0, blocks).flatten(0, 1)[:n] for c in (k_cache, v_cache))
             out[r0:r1] = attend(q[r0:r1], k, v).to(q.dtype)
-        for rows, ids, n, mask in decode:
-            g, (bs, h, d) = len(rows), k_cache.shape[1:]
-            # [g, blocks, block_size, h, d] -> [g, h, keys, d], cut to the longest sequence; the mask hides the rest
-            k, v = (c.index_select(0, ids).view(g, -1, h, d)[:, :n].transpose(1, 2) for c in (k_cache, v_cache))
-            if mask is not None:  # padding holds other tokens' KV, maybe inf: zero it so 0 * garbage cannot be NaN
-                k, v = (x.masked_fill(~mask.transpose(2, 3), 0) for x in (k, v))
+        h, d = k_cache.shape[2:]
+        for rows, slots, mask in decode:  # k, v: [g, h, longest, d]
+            k, v = (c.view(-1, h, d).index_select(0, slots).view(len(rows), -1, h, d).transpose(1, 2) for c in (k_cache, v_cache))
             o = F.scaled_dot_product_attention(q.index_select(0, rows)[:, :, None], k, v, attn_mask=mask, enable_gqa=True)
             out.index_copy_(0, rows, o[:, :, 0].to(q.dtype))
         return out
