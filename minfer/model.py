@@ -338,7 +338,7 @@ class PackedLinear(nn.Module):
     def __init__(self, weight):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        # the row-count hint picks oneDNN's blocking; 64 measured best for 1 to 512 rows on the course machine
+        # the row-count hint picks oneDNN's blocking; 64 beat 1 at 1, 4, 64 and 512 rows on the course machine
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
     def forward(self, x): return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
