@@ -21,6 +21,17 @@ def test_logits_match_transformers(model, tokenizer, hf_model, prompt):
     err = (ours(model, ids) - ref).abs().max().item()
     assert err <= 1e-4, f"max abs logit difference {err:.2e} on a {len(ids)}-token prompt"
 
+def test_packed_weights_match_transformers(model_dir, tokenizer, hf_model):
+    "oneDNN-packed weights (LLM's default for fp32 on CPU) only reorder the sums: within 1e-3 of transformers, same argmax."
+    from minfer.model import can_pack, pack_weights
+    if not can_pack("float32", "cpu"): pytest.skip("oneDNN is not available")
+    packed, ids = pack_weights(load_model(model_dir)), tokenizer.encode(LONG)
+    with torch.inference_mode(): ref = hf_model(torch.tensor([ids])).logits[0]
+    got = ours(packed, ids)
+    err = (got - ref).abs().max().item()
+    assert err <= 1e-3, f"max abs logit difference {err:.2e} with packed weights"
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
 def test_converted_folder_matches_gguf_read_by_transformers(model, tokenizer):
     "The conversion (dequantize + undo the RoPE row permutation) agrees with transformers' own GGUF loader."
     from transformers import AutoModelForCausalLM
