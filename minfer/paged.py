@@ -6,7 +6,7 @@ Docs: https://minfer.github.io/minfer/paged.html.md"""
 
 # %% auto #0
 __all__ = ['OutOfBlocks', 'BlockAllocator', 'BlockTable', 'BatchMeta', 'build_batch_meta', 'PagedKVCache', 'PagedAttention',
-           'PagedGenerator', 'paged_generate', 'block_holders', 'draw_block_map']
+           'key_slots', 'take', 'PagedGenerator', 'paged_generate', 'block_holders', 'draw_block_map']
 
 # %% ../nbs/03_paged.ipynb #f0efabad
 from collections import deque
@@ -194,40 +194,58 @@ class PagedAttention:
 
     def make_plan(self, meta, bs):
         """Which rows attend to which cache slots — the same in every layer, so worked out once per step.
-        Prefill chunks: (first row, end row, block ids, length) each. Decode rows (one new token): groups of up to
-        `decode_group` sequences of similar length: (rows, slot ids of g sequences x the longest, key mask or None).
-        bs: tokens per block."""
+        Prefill chunks: (first row, end row, key slots) each. Decode rows (one new token): groups of up to
+        `decode_group` sequences of similar length: (rows or None for all rows in order, slot ids of g sequences x the
+        longest, key mask or None).
+        Key slots index the flat pool [num_blocks * bs, kv_heads, head_dim]; see `key_slots`. bs: tokens per block."""
         dev = meta.block_tables.device
-        cu, lens = meta.cu_seqlens_q.tolist(), meta.seq_lens.tolist()
-        prefill = [(cu[i], cu[i + 1], meta.block_tables[i, :-(-n // bs)].long(), n)
-                   for i, n in enumerate(lens) if cu[i + 1] - cu[i] > 1]
+        cu, lens, tables = meta.cu_seqlens_q.tolist(), meta.seq_lens.tolist(), meta.block_tables.tolist()
+        prefill = [(cu[i], cu[i + 1], key_slots(tables[i], n, bs, dev)) for i, n in enumerate(lens) if cu[i + 1] - cu[i] > 1]
         dec = sorted((i for i in range(len(lens)) if cu[i + 1] - cu[i] == 1), key=lambda i: lens[i])
         decode = []
         for g in (dec[j:j + self.decode_group] for j in range(0, len(dec), self.decode_group)):
             idx = torch.tensor(g, device=dev)
+            rows = None if g == list(range(len(lens))) else meta.cu_seqlens_q[idx].long()  # None: every row, in order
+            if len(g) == 1:  # a lone sequence needs no padding: its keys, a view where its blocks are consecutive
+                decode.append((rows, key_slots(tables[g[0]], lens[g[0]], bs, dev), None))
+                continue
             pos = torch.arange(lens[g[-1]], device=dev)  # sorted, so the last is the longest
             valid = pos < meta.seq_lens[idx, None]
             slots = meta.block_tables[idx].long()[:, pos // bs] * bs + pos % bs
             # padding reads the sequence's own first key (then masked out), never another request's data, which may be inf
             slots = torch.where(valid, slots, slots[:, :1])
             mask = None if lens[g[0]] == lens[g[-1]] else valid[:, None, None, :]
-            decode.append((meta.cu_seqlens_q[idx].long(), slots.flatten(), mask))
+            decode.append((rows, slots.flatten(), mask))
         return prefill, decode
 
     def attention(self, q, k_cache, v_cache, meta):
-        "Gather K/V into contiguous tensors, then SDPA: one call per prefill chunk, one per group of decode rows."
+        "Gather K/V into contiguous tensors (or view them), then SDPA: one call per prefill chunk, one per group of decode rows."
         if self.plan is None: self.plan = self.make_plan(meta, k_cache.shape[1])
         prefill, decode = self.plan
-        out = torch.empty_like(q)
-        for r0, r1, blocks, n in prefill:
-            k, v = (c.index_select(0, blocks).flatten(0, 1)[:n] for c in (k_cache, v_cache))
-            out[r0:r1] = attend(q[r0:r1], k, v).to(q.dtype)
         h, d = k_cache.shape[2:]
-        for rows, slots, mask in decode:  # k, v: [g, h, longest, d]
-            k, v = (c.view(-1, h, d).index_select(0, slots).view(len(rows), -1, h, d).transpose(1, 2) for c in (k_cache, v_cache))
-            o = F.scaled_dot_product_attention(q.index_select(0, rows)[:, :, None], k, v, attn_mask=mask, enable_gqa=True)
-            out.index_copy_(0, rows, o[:, :, 0].to(q.dtype))
+        k_flat, v_flat = k_cache.view(-1, h, d), v_cache.view(-1, h, d)
+        def decode_group(q, slots, mask):  # q: [g, Hq, d]; k, v: [g, h, longest, d]
+            k, v = (take(c, slots).view(len(q), -1, h, d).transpose(1, 2) for c in (k_flat, v_flat))
+            return F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, enable_gqa=True)[:, :, 0]
+        if not prefill and len(decode) == 1 and decode[0][0] is None:  # e.g. batch-1 decode: no row shuffling at all
+            return decode_group(q, *decode[0][1:])
+        out = torch.empty_like(q)
+        for r0, r1, slots in prefill:
+            out[r0:r1] = attend(q[r0:r1], take(k_flat, slots), take(v_flat, slots)).to(q.dtype)
+        for rows, slots, mask in decode:
+            out.index_copy_(0, rows, decode_group(q.index_select(0, rows), slots, mask).to(q.dtype))
         return out
+
+def key_slots(blocks, n, bs, device="cpu"):
+    """Where positions [0, n) of a sequence with block ids `blocks` sit in the flat pool: a `slice` when its blocks are
+    consecutive (as when one sequence grows in a fresh pool), so `take` returns a view and copies nothing; else slot ids."""
+    blocks = blocks[:-(-n // bs)]
+    if blocks == list(range(blocks[0], blocks[0] + len(blocks))): return slice(blocks[0] * bs, blocks[0] * bs + n)
+    return (torch.tensor(blocks, device=device)[:, None] * bs + torch.arange(bs, device=device)).flatten()[:n]
+
+def take(flat, slots):
+    "Rows `slots` (a `slice` or an index tensor, from `key_slots`) of a flat [slots, heads, dim] pool."
+    return flat[slots] if isinstance(slots, slice) else flat.index_select(0, slots)
 
 # %% ../nbs/03_paged.ipynb #b253905e
 from .sampling import SamplingParams, Sequence, sample

@@ -69,20 +69,24 @@ def test_batch_meta_layout():
     with pytest.raises(ValueError, match="cannot hold"): build_batch_meta([([1], 3, 2)], block_size=4)
 
 
+@pytest.mark.parametrize("layout", ["shuffled", "consecutive"])
 @pytest.mark.parametrize("lens, q_lens, decode_group", [
     ([7, 1, 12], [3, 1, 12], 16),                   # prefill chunk after a cached prefix, a lone decode, a whole prompt
     ([5, 9, 16, 2, 11, 3], [1] * 6, 4),              # decodes of different lengths: two padded groups, masked
     ([7, 13, 4, 20, 6], [1, 5, 1, 1, 1], 16),        # mixed: one prefill chunk among decodes
+    ([3, 6, 9], [1, 1, 1], 16),                      # decodes already in length order: one group of every row, in order
+    ([21], [1], 16),                                 # batch-1 decode
 ])
-def test_paged_attention_matches_contiguous_attention(lens, q_lens, decode_group):
-    "Random K/V scattered over out-of-order blocks, NaN everywhere else: same output as `attend` on contiguous K/V."
+def test_paged_attention_matches_contiguous_attention(lens, q_lens, decode_group, layout):
+    """Random K/V in blocks that are out of order (gathered) or consecutive per sequence (viewed in place), NaN
+    everywhere else, including the unused tail of each last block: same output as `attend` on contiguous K/V."""
     from types import SimpleNamespace
     from minfer.model import attend
     g = torch.Generator().manual_seed(0)
     bs, H, Hq, D = 4, 2, 6, 8
     nblocks = sum(-(-n // bs) for n in lens) + 3  # spare blocks stay NaN; padding may point at them
     cache = SimpleNamespace(k=[torch.full((nblocks, bs, H, D), float("nan"))], v=[torch.full((nblocks, bs, H, D), float("nan"))])
-    ids = torch.randperm(nblocks, generator=g).tolist()
+    ids = torch.randperm(nblocks, generator=g).tolist() if layout == "shuffled" else list(range(nblocks))
     tables, seqs, ks, vs, qs = [], [], [], [], []
     for n, nq in zip(lens, q_lens):
         nb = -(-n // bs); tables.append(ids[:nb]); ids = ids[nb:]
