@@ -84,7 +84,7 @@ def main():
     text = "\n".join(lines)
     print(text)
     if a.record:
-        out = Path(__file__).parent / f"throughput-{datetime.date.today()}.md"
+        out = Path(__file__).parent / f"throughput-{datetime.datetime.now():%Y-%m-%d-%H%M}.md"
         out.write_text(text + "\n"); print(f"\nrecorded in {out}")
 
 if __name__ == "__main__":

@@ -25,3 +25,13 @@ def test_chat_interactive_keeps_history():
 def test_errors_are_one_line_exit_2(args, word):
     r = run(*args)
     assert r.returncode == 2 and word in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+def test_bench_prints_speed_floor_and_where_the_step_goes():
+    r = run("bench", "--max-tokens", "16")
+    assert r.returncode == 0, r.stderr
+    assert "tok/s" in r.stdout and "bandwidth floor" in r.stdout
+    line = next(l for l in r.stdout.splitlines() if l.startswith("where a step goes"))
+    parts = dict(p.rsplit(" ", 1) for p in line.split(": ", 1)[1].split(", "))
+    assert set(parts) == {"layer matvecs", "LM head matvec", "RMSNorm", "RoPE + KV write + attention", "SiLU × up", "the rest"}
+    # every kind of work was seen by its hooks, and none was counted twice (the rest, by difference, is not negative)
+    assert all(float(v) > 0 for v in parts.values()), line
