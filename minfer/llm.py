@@ -197,7 +197,8 @@ LLM.stream, LLM._render_chat, LLM.chat = stream, _render_chat, chat
 # %% ../nbs/11_llm.ipynb #72705b8f
 def decode_breakdown(llm, prompt="Once upon a time", max_tokens=128):
     """Where a decode step's time goes, in ms per generated token: `max_tokens` greedy tokens with forward hooks on the
-    model's modules (each hook costs about a microsecond); 'the rest' is the step's time minus the timed parts."""
+    model's modules (each hook costs about a microsecond); 'the rest' is the step's time minus the timed parts.
+    The prompt's prefill is counted too, spread over the tokens: keep the prompt short."""
     model, start, hooks = llm.model, {}, []
     spent = dict.fromkeys(["attention", "attention matvecs", "mlp", "mlp matvecs", "norm", "head"], 0.0)
     def timed(mod, kind):
