@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Everything chapter 05 needs a GPU for, in one command: the Triton kernel tests compiled (the gpu-marked ones too) and
+# the kernel lab's benchmarks. Written for a lent GPU machine (the `device` tool): it has torch, triton, transformers,
+# pytest and hypothesis but no internet, so nothing is installed and minfer runs from this checkout.
+#
+#   bash tools/gpu_check.sh        # results in $OUT (the device tool's folder), else ./gpu-results
+#
+# The one test that needs the real model (Triton vs PyTorch greedy tokens) runs only if data/models/ holds the
+# converted default model; it does not travel in one call (the GGUF is 94 MB), so without it that test is deselected.
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+out="${OUT:-gpu-results}"; mkdir -p "$out"
+py="${PYTHON:-python3}"
+status=0
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
+  "$py" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())"
+} | tee "$out/device.txt"
+
+select=()
+[ -f data/models/smollm2-135m-instruct/model.safetensors ] || select=(-k "not greedy_tokens")
+"$py" -m pytest -q -p no:cacheprovider tests/test_flash.py "${select[@]}" 2>&1 | tee "$out/test_flash.txt" || status=1
+
+for f in kernels/*.py; do
+    echo "== $f"
+    "$py" "$f" 2>&1 | tee "$out/$(basename "$f" .py).txt" || status=1
+done
+exit $status
