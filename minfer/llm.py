@@ -201,9 +201,11 @@ def decode_breakdown(llm, prompt="Once upon a time", max_tokens=128):
     The prompt's prefill is counted too, spread over the tokens: keep the prompt short."""
     model, start, hooks = llm.model, {}, []
     spent = dict.fromkeys(["attention", "attention matvecs", "mlp", "mlp matvecs", "norm", "head"], 0.0)
+    # on a GPU a module returns once its kernels are queued: wait for them, or the times are launch times
+    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
     def timed(mod, kind):
-        def pre(m, args): start[m] = time.perf_counter()
-        def post(m, args, out): spent[kind] += time.perf_counter() - start[m]
+        def pre(m, args): sync(); start[m] = time.perf_counter()
+        def post(m, args, out): sync(); spent[kind] += time.perf_counter() - start[m]
         hooks.extend([mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)])
     for layer in model.layers:
         a, f = layer.self_attn, layer.mlp
@@ -214,7 +216,7 @@ def decode_breakdown(llm, prompt="Once upon a time", max_tokens=128):
     try:
         t = time.perf_counter()
         llm.generate(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), raw=True)
-        total = time.perf_counter() - t
+        sync(); total = time.perf_counter() - t
     finally:
         for h in hooks: h.remove()
     ms = {k: v / max_tokens * 1e3 for k, v in spent.items()}
