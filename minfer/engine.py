@@ -17,13 +17,16 @@ from .scheduler import Scheduler
 
 # %% ../nbs/08b_engine.ipynb #e1bb6271
 def attention_backend(name, cache):
-    "'torch' (chapter 03's gather reference), 'triton' (chapter 05's kernels) or 'auto' (Triton on CUDA, torch on CPU)."
+    "'torch' (chapter 03's gather reference), 'triton' (chapter 05's kernels), 'cpu' (chapter 05b's C++ decode kernel) or 'auto' (Triton on CUDA, torch on CPU)."
     if name == "auto": name = "triton" if cache.k.is_cuda else "torch"
     if name == "torch": return PagedAttention(cache)
     if name == "triton":
         from minfer.flash import TritonAttention
         return TritonAttention(cache)
-    raise ValueError(f"attention={name!r} is not supported; allowed: 'auto', 'torch', 'triton'")
+    if name == "cpu":
+        from minfer.cpu_kernels import CpuAttention
+        return CpuAttention(cache)
+    raise ValueError(f"attention={name!r} is not supported; allowed: 'auto', 'torch', 'triton', 'cpu'")
 
 class LLMEngine:
     "Continuous batching over a paged KV pool: `add` sequences, call `step()` until `has_unfinished()` is False."

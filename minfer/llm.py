@@ -16,6 +16,7 @@ import torch
 from .model import load_model, Tokenizer, ModelConfig, default_model_dir, check_model_folder, DTYPES, can_pack, pack_weights
 from .sampling import SamplingParams, Sequence, SequentialEngine
 from .engine import LLMEngine
+from .cpu_kernels import can_fuse, fuse_cpu_ops, cxx_compiler
 from .roofline import decode_bytes_per_token
 
 # %% ../nbs/11_llm.ipynb #8c239716
@@ -48,7 +49,8 @@ SWITCHES = {
     "kv": ("none", "contiguous", "paged"),   # ch. 01, 02a, 03 (+ 08's continuous batching)
     "dtype": ("auto", *DTYPES),              # ch. 00
     "device": ("auto", "cpu", "cuda"),
-    "attention": ("auto", "torch", "triton"),  # ch. 03 (PyTorch gather), 05 (Triton kernels)
+    "attention": ("auto", "torch", "triton", "cpu"),  # ch. 03 (PyTorch gather), 05 (Triton kernels), 05b (C++ decode kernel)
+    "kernels": ("auto", "torch", "cpu"),     # the small ops: PyTorch's (ch. 00a), or fused C++ kernels on a CPU (ch. 05b)
     "weights": ("auto", "plain", "packed"),  # ch. 00a (oneDNN-packed fp32 on CPU); ch. 06 (AWQ INT4) is not written yet
     "kv_dtype": ("auto",),                   # ch. 07 (KV quantization) is not written yet
     "speculative": (None,),                  # ch. 09 is not written yet
@@ -63,13 +65,13 @@ def _check_choice(name, value):
 class LLM:
     "Load a model folder and generate text. `LLM()` uses the embedded default model (SmolLM2-135M-Instruct)."
     def __init__(self, model=None, *, kv="paged", block_size=16, prefix_cache=False, attention="auto", dtype="auto", device="auto",
-                 max_num_seqs=64, max_num_batched_tokens=256, kv_cache_bytes=2**30, weights="auto", kv_dtype="auto", speculative=None):
-        switches = dict(kv=kv, dtype=dtype, device=device, attention=attention, weights=weights, kv_dtype=kv_dtype, speculative=speculative)
+                 max_num_seqs=64, max_num_batched_tokens=256, kv_cache_bytes=2**30, weights="auto", kernels="auto", kv_dtype="auto", speculative=None):
+        switches = dict(kv=kv, dtype=dtype, device=device, attention=attention, weights=weights, kernels=kernels, kv_dtype=kv_dtype, speculative=speculative)
         for name, value in switches.items(): _check_choice(name, value)
         for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens), ("kv_cache_bytes", kv_cache_bytes)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1: raise ValueError(f"{name}={value!r} is invalid; use an integer >= 1")
-        if kv != "paged" and (prefix_cache or attention == "triton"):
-            raise ValueError(f"prefix_cache=True and attention='triton' need kv='paged' (got kv={kv!r})")
+        if kv != "paged" and (prefix_cache or attention in ("triton", "cpu")):
+            raise ValueError(f"prefix_cache=True and attention={attention!r} need kv='paged' (got kv={kv!r})")
         if device == "auto": device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cuda" and not torch.cuda.is_available(): raise ValueError("device='cuda' requested but no CUDA device is available; use device='cpu'")
         # bf16 matmuls are slow on CPUs without bf16 units (0.9 GFLOP/s measured on the course's 2-core machine)
@@ -77,13 +79,20 @@ class LLM:
         if weights == "auto": weights = "packed" if can_pack(dtype, device) else "plain"
         if weights == "packed" and not can_pack(dtype, device):
             raise ValueError(f"weights='packed' needs dtype='float32' on device='cpu' with oneDNN (got {dtype!r} on {device!r}); use weights='plain'")
+        if kernels == "auto": kernels = "cpu" if can_fuse(dtype, device) else "torch"
+        for name, value in (("kernels", kernels), ("attention", attention)):
+            if value == "cpu" and not can_fuse(dtype, device):
+                why = "" if cxx_compiler() else ", and no C++ compiler is on PATH"
+                raise ValueError(f"{name}='cpu' needs dtype 'float32' or 'bfloat16' on device='cpu' and a C++ compiler (got {dtype!r} on {device!r}{why}); use {name}='{'torch' if name == 'kernels' else 'auto'}'")
+        if attention == "auto" and kernels == "cpu" and kv == "paged": attention = "cpu"
         self.model_dir = Path(model) if model is not None else default_model_dir()
         check_model_folder(self.model_dir)
         self.config = ModelConfig.from_folder(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)
         self.model = load_model(self.model_dir, dtype, device)
         if weights == "packed": pack_weights(self.model)
-        self.dtype, self.device, self.kv, self.prefix_cache, self.weights = dtype, device, kv, bool(prefix_cache), weights
+        if kernels == "cpu": fuse_cpu_ops(self.model)
+        self.dtype, self.device, self.kv, self.prefix_cache, self.weights, self.kernels = dtype, device, kv, bool(prefix_cache), weights, kernels
         self.eos_ids = tuple(sorted({*self.config.eos_token_id, *([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])}))
         if kv == "paged":
             self.engine = LLMEngine(self.model, block_size=block_size, kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs,
@@ -96,7 +105,7 @@ class LLM:
     @property
     def max_model_len(self): return self.config.max_position_embeddings
 
-    def __repr__(self): return f"LLM({str(self.model_dir)!r}, kv={self.kv!r}, prefix_cache={self.prefix_cache}, dtype={self.dtype!r}, weights={self.weights!r}, device={self.device!r})"
+    def __repr__(self): return f"LLM({str(self.model_dir)!r}, kv={self.kv!r}, prefix_cache={self.prefix_cache}, dtype={self.dtype!r}, weights={self.weights!r}, kernels={self.kernels!r}, device={self.device!r})"
 
     @property
     def max_request_tokens(self):
@@ -233,6 +242,7 @@ def _add_common(p):
     p.add_argument("--attention", default="auto", help="attention kernels: " + ", ".join(SWITCHES["attention"]))
     p.add_argument("--dtype", default="auto", help="weights dtype: " + ", ".join(SWITCHES["dtype"]))
     p.add_argument("--weights", default="auto", help="weight layout: " + ", ".join(SWITCHES["weights"]))
+    p.add_argument("--kernels", default="auto", help="small per-token ops: " + ", ".join(SWITCHES["kernels"]))
     p.add_argument("--device", default="auto")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -245,7 +255,7 @@ def _add_common(p):
 def _raw_flag(p): p.add_argument("--raw", action="store_true", help="send the prompt as-is, without the chat template")
 
 def _params(a): return SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens, seed=a.seed, stop=a.stop)
-def _llm(a): return LLM(a.model, kv=a.kv, prefix_cache=a.prefix_cache, attention=a.attention, dtype=a.dtype, weights=a.weights, device=a.device)
+def _llm(a): return LLM(a.model, kv=a.kv, prefix_cache=a.prefix_cache, attention=a.attention, dtype=a.dtype, weights=a.weights, kernels=a.kernels, device=a.device)
 
 def _print_metrics(m, file=sys.stderr):
     fmt = lambda v: "-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))

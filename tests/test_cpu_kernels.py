@@ -1,0 +1,163 @@
+"""Chapter 05b: fused C++ kernels for the CPU.
+
+Each kernel against the PyTorch code it replaces (chapter 00a's modules, F.silu): equal in bf16 (silu within its last
+bit), within float rounding in fp32. The fused model against transformers (contract 1) and against the unfused model
+(bf16: identical logits). `CpuAttention` against chapter 03's `PagedAttention` on scattered blocks: the same K/V written,
+the same output to float rounding. `LLM(kernels="cpu")` greedy tokens against chapter 01's naive decode (contract 2).
+"""
+import collections
+import pytest, torch
+import torch.nn.functional as F
+from hypothesis import given, settings, HealthCheck, strategies as st
+
+from minfer import cpu_kernels as ck
+from minfer.cpu_kernels import (rms_norm, rope_, silu_mul, add_, fuse_cpu_ops, CpuAttention, build_cpu_kernels,
+                                cpu_kernels, can_fuse)
+from minfer.model import RMSNorm, RotaryEmbedding, ModelConfig, NoCache, load_model
+from minfer.paged import PagedKVCache, PagedAttention, BlockTable, build_batch_meta
+from minfer.llm import LLM
+from minfer.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(not ck.cpu_kernels_available(), reason="no C++ compiler to build the CPU kernels")
+DTYPES = [torch.float32, torch.bfloat16]
+
+@pytest.fixture(scope="module")
+def cfg(model_dir): return ModelConfig.from_folder(model_dir)
+
+def same(dtype):
+    "Equality for bf16 (the kernels round where PyTorch rounds); float rounding for fp32."
+    return torch.equal if dtype == torch.bfloat16 else (lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6))
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 40), dtype=st.sampled_from(DTYPES), scale=st.sampled_from([0.01, 1.0, 30.0]), seed=st.integers(0, 2**16))
+def test_norm_rope_add_match_pytorch(rows, dtype, scale, seed):
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: (torch.randn(*s, generator=g) * scale).to(dtype)
+    x, res = rnd(rows, 576), rnd(rows, 576)
+    norm = RMSNorm(576, 1e-5).to(dtype); norm.weight.data = (torch.rand(576, generator=g) + 0.5).to(dtype)
+    assert same(dtype)(rms_norm(x, norm.weight, norm.eps), norm(x))
+    x2 = x.clone(); out = rms_norm(x2, norm.weight, norm.eps, residual=res)
+    assert torch.equal(x2, x + res) and same(dtype)(out, norm(x + res))
+    rope = RotaryEmbedding(64, 100000.0, 4096)
+    cos, sin = rope.tables(torch.randint(0, 4096, (rows,), generator=g), dtype)
+    qkv = rnd(rows, 15, 64)
+    want = torch.cat([RotaryEmbedding.rotate(qkv[:, :12], cos, sin), qkv[:, 12:]], 1)
+    assert same(dtype)(rope_(qkv.clone(), cos, sin, 12), want)
+    assert torch.equal(add_(x.clone(), res), x + res)
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_pytorch(dtype):
+    gu = (torch.randn(7, 2 * 1536, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
+    g, u = gu.chunk(2, -1)
+    got, want = silu_mul(gu).float(), (F.silu(g) * u).float()
+    if dtype == torch.float32: assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    else:  # exp may differ from PyTorch's in the last fp32 bit, which rarely moves a bf16 rounding: one bf16 step at most
+        assert ((got - want).abs() <= want.abs() * 2**-7).all() and (got != want).float().mean() < 0.01
+
+def test_bad_tensors_are_refused_with_one_line():
+    x, w = torch.randn(4, 576), torch.randn(576)
+    for call, word in [(lambda: rms_norm(x.t().contiguous().t(), w, 1e-5), "contiguous"),
+                       (lambda: rms_norm(x, w.bfloat16(), 1e-5), "dtype"),
+                       (lambda: rms_norm(x.half(), w.half(), 1e-5), "float16"),
+                       (lambda: add_(x, torch.randn(4, 575)), "shapes")]:
+        with pytest.raises(ValueError) as e: call()
+        assert "\n" not in str(e.value) and word in str(e.value)
+    assert torch.allclose(rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5), rtol=1e-5, atol=1e-6)  # still usable
+
+def test_fused_model_matches_transformers_fp32(model_dir, tokenizer):
+    "Contract 1 holds for the fused model: within 1e-4 of transformers in fp32, on a 500+ token prompt."
+    from transformers import LlamaForCausalLM
+    hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = tokenizer.encode(" ".join(f"Item {i}: the quick brown fox jumps over the lazy dog while counting sheep." for i in range(40)))
+    assert len(ids) >= 500
+    fused = fuse_cpu_ops(load_model(model_dir))
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0]
+        got = fused(torch.tensor(ids), torch.arange(len(ids)), NoCache())
+    assert (got - ref).abs().max().item() <= 1e-4
+
+def test_fused_model_bf16_logits_equal_unfused(model_dir, tokenizer):
+    ids = tokenizer.encode("The three primary colours are red, yellow and blue. Mixing red and yellow gives")
+    plain, fused = load_model(model_dir, "bfloat16"), fuse_cpu_ops(load_model(model_dir, "bfloat16"))
+    with torch.inference_mode():
+        a, b = (m(torch.tensor(ids), torch.arange(len(ids)), NoCache()) for m in (plain, fused))
+    assert torch.equal(a, b)
+
+def test_fuse_refuses_what_it_cannot_run(model_dir):
+    with pytest.raises(ValueError, match="float32 or bfloat16"): fuse_cpu_ops(load_model(model_dir, "float16"))
+
+def decode_step(cfg, cls, dtype, lens, bs, seed):
+    "One decode step (each sequence's last token new) of sequences scattered over a shuffled pool: (output, pool k, pool v)."
+    g = torch.Generator().manual_seed(seed)
+    nb = sum(-(-n // bs) for n in lens) + 3
+    cache = PagedKVCache(cfg, nb, bs, dtype)
+    cache.allocator.free_ids = collections.deque(torch.randperm(nb, generator=g).tolist())
+    tables = [BlockTable(cache.allocator) for _ in lens]
+    for t, n in zip(tables, lens): t.append_slots(n)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g)); cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    qkv = torch.randn(len(lens), nq + 2 * nkv, cfg.head_dim, generator=g).to(dtype)
+    attn = cls(cache); attn.meta = build_batch_meta([(t, n - 1, 1) for t, n in zip(tables, lens)], bs)
+    out = attn(5, qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:])
+    return out, cache.k, cache.v
+
+@pytest.mark.parametrize("lens,bs", [((1,), 16), ((300,), 16), ((1, 17, 40, 5), 4), (tuple(range(1, 60, 3)), 8)],
+                         ids=["one-token", "one-long", "mixed", "batch-20"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_attention_matches_paged_attention(cfg, lens, bs, dtype):
+    want, k_want, v_want = decode_step(cfg, PagedAttention, dtype, lens, bs, seed=len(lens))
+    got, k_got, v_got = decode_step(cfg, CpuAttention, dtype, lens, bs, seed=len(lens))
+    assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)  # the new K/V land in the same slots
+    if dtype == torch.float32: assert torch.allclose(got, want, atol=2e-6), (got - want).abs().max()
+    else:  # both within one bf16 rounding of the fp32 answer from the same bf16 inputs
+        exact, _, _ = decode_step(cfg, PagedAttention, torch.float32, lens, bs, seed=len(lens))
+        tol = exact.abs().amax(-1, keepdim=True) * 2**-7 + 0.02  # + the inputs' own bf16 rounding, drawn in fp32 above
+        assert ((got.float() - exact).abs() <= tol).all() and ((got.float() - want.float()).abs() <= tol).all()
+
+def test_cpu_attention_leaves_prefill_to_chapter_03(cfg):
+    "A step with a prefill chunk goes through PagedAttention's path: the same output exactly."
+    torch.manual_seed(0)
+    outs = []
+    for cls in (PagedAttention, CpuAttention):
+        cache = PagedKVCache(cfg, 8, 16, torch.float32)
+        t = BlockTable(cache.allocator); t.append_slots(20)
+        attn = cls(cache); attn.meta = build_batch_meta([(t, 0, 20)], 16)
+        qkv = torch.randn(20, 15, 64, generator=torch.Generator().manual_seed(1))
+        outs.append(attn(0, qkv[:, :9], qkv[:, 9:12], qkv[:, 12:]))
+    assert torch.equal(*outs)
+
+def test_llm_cpu_kernels_equal_naive(model_dir, model, tokenizer):
+    "Contract 2: LLM with the fused kernels (fp32; batched and alone) gives chapter 01's greedy tokens, or parts at a near-tie."
+    from minfer.naive import naive_generate
+    from test_engine import TEXTS, near_tie_at
+    llm = LLM(model_dir, kernels="cpu")
+    assert llm.kernels == "cpu" and type(llm.engine.attn) is CpuAttention
+    outs = llm.generate(TEXTS[:4], SamplingParams(max_tokens=8, ignore_eos=True), raw=True)
+    for t, o in zip(TEXTS, outs):
+        want = naive_generate(model, tokenizer.encode(t), 8)
+        assert o.token_ids == want or near_tie_at(model, tokenizer.encode(t), o.token_ids, want)
+
+def test_kernels_switch_defaults_and_errors(model_dir, monkeypatch, tmp_path):
+    assert LLM(model_dir).kernels == "cpu" and LLM(model_dir, kernels="torch").kernels == "torch"
+    assert type(LLM(model_dir, kernels="torch").engine.attn) is PagedAttention
+    with pytest.raises(ValueError) as e: LLM(model_dir, kernels="cpu", dtype="float16")
+    assert "\n" not in str(e.value) and "kernels='cpu'" in str(e.value) and "use kernels='torch'" in str(e.value)
+    # no compiler: "auto" falls back to PyTorch's ops, an explicit "cpu" says why it cannot
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("MINFER_HOME", str(tmp_path))  # nothing built there either
+    cpu_kernels.cache_clear()
+    try:
+        assert not can_fuse("float32", "cpu") and LLM(model_dir).kernels == "torch"
+        with pytest.raises(ValueError, match="no C.. compiler is on PATH"): LLM(model_dir, kernels="cpu")
+    finally:
+        monkeypatch.undo(); cpu_kernels.cache_clear()
+    assert can_fuse("float32", "cpu")
+
+def test_build_is_cached_and_reports_compile_errors(tmp_path):
+    src = 'extern "C" int answer() { return 42; }\n'
+    first = build_cpu_kernels(src, tmp_path)
+    mtime = first.stat().st_mtime_ns
+    assert build_cpu_kernels(src, tmp_path) == first and first.stat().st_mtime_ns == mtime  # found, not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary files left behind
+    with pytest.raises(RuntimeError) as e: build_cpu_kernels("this is not C++", tmp_path)
+    assert "\n" not in str(e.value) and "failed" in str(e.value)
