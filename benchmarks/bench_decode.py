@@ -4,8 +4,9 @@ Same model folder, dtype, prompt and token count; runs alternate (minfer, transf
 medians. Next to them: the bandwidth floor (copy bandwidth / bytes per token) and the practical ceilings (the bandwidth
 PyTorch's matrix-vector products reach on the model's own weight shapes, see chapter 00b): one for the kernel minfer
 uses (oneDNN on packed weights for fp32 on CPU, `LLM(weights="auto")`), one for `F.linear`, which transformers uses.
+Where the greedy tokens part, the table says where, and how far apart transformers' top two logits were there.
 
-    python benchmarks/bench_decode.py [--tokens 256] [--repeats 3] [--dtypes float32 bfloat16] [--record]
+    python benchmarks/bench_decode.py [--tokens 256] [--repeats 3] [--dtypes float32 bfloat16] [--kernels auto] [--record]
 """
 import argparse, datetime, platform, statistics, subprocess, sys, time
 from pathlib import Path
@@ -38,9 +39,17 @@ def time_transformers(hf, ids, n):
     total = time.perf_counter() - t
     return total, out[0, len(ids):].tolist()
 
-def bench(dtype, n, repeats, kv):
+def first_difference(hf, ids, a, b):
+    "'' if a == b, else where they part and transformers' top-2 logit gap there (a near-tie is a gap of a rounding or two)."
+    i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if i is None: return ""
+    with torch.inference_mode(): logits = hf(torch.tensor([ids + b[:i]], device=hf.device)).logits[0, -1].float()
+    top2 = torch.topk(logits, 2).values
+    return f" (from token {i}; transformers' top-2 logit gap there {(top2[0] - top2[1]).item():.3f})"
+
+def bench(dtype, n, repeats, kv, kernels="auto"):
     from transformers import LlamaForCausalLM
-    llm = LLM(dtype=dtype, kv=kv)
+    llm = LLM(dtype=dtype, kv=kv, kernels=kernels)
     hf = LlamaForCausalLM.from_pretrained(llm.model_dir, dtype=getattr(torch, dtype)).to(llm.device).eval()
     ids = llm.tokenizer.encode(PROMPT)
     time_minfer(llm, ids, 8); time_transformers(hf, ids, 8)  # warm-up both
@@ -48,13 +57,13 @@ def bench(dtype, n, repeats, kv):
     for _ in range(repeats):
         total, tpot, a = time_minfer(llm, ids, n); ours.append(total); tpots.append(tpot)
         total, b = time_transformers(hf, ids, n); theirs.append(total)
-    same = a == b
+    same = f"{a == b}{first_difference(hf, ids, a, b)}"
     bw = measure_bandwidth(device=llm.device)
     matvec = measure_matvec_bandwidth(llm.config, dtype, device=llm.device)
     matvec_ours = measure_matvec_bandwidth(llm.config, dtype, device=llm.device, packed=True) if llm.weights == "packed" else matvec
     bpt = decode_bytes_per_token(llm.config, dtype, context=len(ids) + n // 2)
     parts = decode_breakdown(llm, llm.tokenizer.decode(ids, skip_special_tokens=False), n)
-    return dict(parts=parts, dtype=dtype, kv=kv, weights=llm.weights, minfer=n / statistics.median(ours), transformers=n / statistics.median(theirs),
+    return dict(parts=parts, dtype=dtype, kv=kv, weights=llm.weights, kernels=llm.kernels, minfer=n / statistics.median(ours), transformers=n / statistics.median(theirs),
                 minfer_decode=1 / statistics.median(tpots), floor=bw / bpt, practical=matvec_ours / bpt, practical_linear=matvec / bpt,
                 bw=bw, matvec=matvec_ours, matvec_linear=matvec, bpt=bpt, same_tokens=same)
 
@@ -64,23 +73,24 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--kv", nargs="+", default=["paged"], help="minfer KV modes to measure (paged is LLM()'s default)")
+    ap.add_argument("--kernels", nargs="+", default=["auto"], help="minfer small-op kernels to measure: auto, torch, cpu")
     ap.add_argument("--record", action="store_true", help="write the table to benchmarks/decode-<date>.md")
     a = ap.parse_args()
-    rows = [bench(dt, a.tokens, a.repeats, kv) for dt in a.dtypes for kv in a.kv]
+    rows = [bench(dt, a.tokens, a.repeats, kv, k) for dt in a.dtypes for kv in a.kv for k in a.kernels]
     lines = [f"# Batch-1 decode, {a.tokens} tokens, medians of {a.repeats} alternating runs",
              "", f"- date: {datetime.datetime.now():%Y-%m-%d %H:%M}", f"- machine: {machine()}",
              f"- command: `python benchmarks/bench_decode.py {' '.join(sys.argv[1:])}`", "",
-             "| dtype | minfer kv, weights | minfer tok/s (end to end) | minfer decode tok/s | transformers tok/s | ratio | practical ceiling, minfer's matvec: tok/s (GB/s) | % of it | practical ceiling, F.linear: tok/s (GB/s) | % of it | bandwidth floor tok/s (copy GB/s) | MB/token | same greedy tokens |",
+             "| dtype | minfer kv, weights, kernels | minfer tok/s (end to end) | minfer decode tok/s | transformers tok/s | ratio | practical ceiling, minfer's matvec: tok/s (GB/s) | % of it | practical ceiling, F.linear: tok/s (GB/s) | % of it | bandwidth floor tok/s (copy GB/s) | MB/token | same greedy tokens |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['dtype']} | {r['kv']}, {r['weights']} | {r['minfer']:.1f} | {r['minfer_decode']:.1f} | {r['transformers']:.1f} | {r['minfer']/r['transformers']:.2f}x | "
+        lines.append(f"| {r['dtype']} | {r['kv']}, {r['weights']}, {r['kernels']} | {r['minfer']:.1f} | {r['minfer_decode']:.1f} | {r['transformers']:.1f} | {r['minfer']/r['transformers']:.2f}x | "
                      f"{r['practical']:.1f} ({r['matvec']/1e9:.1f}) | {100*r['minfer_decode']/r['practical']:.0f}% | "
                      f"{r['practical_linear']:.1f} ({r['matvec_linear']/1e9:.1f}) | {100*r['minfer_decode']/r['practical_linear']:.0f}% | {r['floor']:.1f} ({r['bw']/1e9:.1f}) | "
                      f"{r['bpt']/1e6:.0f} | {r['same_tokens']} |")
     lines += ["", "Where a minfer decode step goes (ms per token, one extra run timed with forward hooks by `minfer.llm.decode_breakdown`; "
               "'the rest' = residual adds, embedding, sampling, scheduling and Python, by difference):", "",
-              "| dtype | " + " | ".join(rows[0]["parts"]) + " | step |", "|---" * (len(rows[0]["parts"]) + 2) + "|"]
-    lines += [f"| {r['dtype']} | " + " | ".join(f"{v:.1f}" for v in r["parts"].values()) + f" | {sum(r['parts'].values()):.1f} |" for r in rows]
+              "| dtype, kernels | " + " | ".join(rows[0]["parts"]) + " | step |", "|---" * (len(rows[0]["parts"]) + 2) + "|"]
+    lines += [f"| {r['dtype']}, {r['kernels']} | " + " | ".join(f"{v:.1f}" for v in r["parts"].values()) + f" | {sum(r['parts'].values()):.1f} |" for r in rows]
     lines += ["", "Targets (issue 2): ratio >= 1.5x in bf16, >= 1.1x in fp32; minfer decode within 80% of the practical ceiling "
               "(the honest one is the ceiling of the kernel minfer runs; transformers runs F.linear)."]
     text = "\n".join(lines)

@@ -1,8 +1,8 @@
 """Chapter 05b: fused C++ kernels for the CPU.
 
-Each kernel against the PyTorch code it replaces (chapter 00a's modules, F.silu): equal in bf16 (silu within its last
-bit), within float rounding in fp32. The fused model against transformers (contract 1) and against the unfused model
-(bf16: identical logits). `CpuAttention` against chapter 03's `PagedAttention` on scattered blocks: the same K/V written,
+Each kernel against the PyTorch code it replaces (chapter 00a's modules, F.silu): in bf16 equal but for a rare one-step
+rounding, in fp32 within float rounding. The fused model against transformers (contract 1) and against the unfused model
+(bf16: the same argmax; identical logits past FUSED_MAX_ROWS, where PyTorch's ops run). `CpuAttention` against chapter 03's `PagedAttention` on scattered blocks: the same K/V written,
 the same output to float rounding. `LLM(kernels="cpu")` greedy tokens against chapter 01's naive decode (contract 2).
 """
 import collections
@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings, HealthCheck, strategies as st
 
 from minfer import cpu_kernels as ck
-from minfer.cpu_kernels import (rms_norm, rope_, silu_mul, add_, fuse_cpu_ops, CpuAttention, build_cpu_kernels,
-                                cpu_kernels, can_fuse)
+from minfer.cpu_kernels import (rms_norm, rope_, silu_mul, fuse_cpu_ops, CpuAttention, build_cpu_kernels, cpu_kernels,
+                                can_fuse, FUSED_MAX_ROWS)
 from minfer.model import RMSNorm, RotaryEmbedding, ModelConfig, NoCache, load_model
 from minfer.paged import PagedKVCache, PagedAttention, BlockTable, build_batch_meta
 from minfer.llm import LLM
@@ -24,13 +24,20 @@ DTYPES = [torch.float32, torch.bfloat16]
 @pytest.fixture(scope="module")
 def cfg(model_dir): return ModelConfig.from_folder(model_dir)
 
+def bf16_close(a, b):
+    """Equal in all but a few elements, and those a rounding step or two apart (a step moved in an intermediate result,
+    like RMSNorm's before its weight multiply, can move the final rounding too)."""
+    a, b = a.float(), b.float()
+    return ((a - b).abs() <= b.abs() * 2**-6).all() and (a != b).float().mean() < 0.02
+
 def same(dtype):
-    "Equality for bf16 (the kernels round where PyTorch rounds); float rounding for fp32."
-    return torch.equal if dtype == torch.bfloat16 else (lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6))
+    """bf16: the kernels round where PyTorch rounds, but sum in another order, so a last-bit difference in fp32 now and
+    then moves a bf16 rounding; fp32: float rounding."""
+    return bf16_close if dtype == torch.bfloat16 else (lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6))
 
 @settings(max_examples=25, deadline=None)
 @given(rows=st.integers(1, 40), dtype=st.sampled_from(DTYPES), scale=st.sampled_from([0.01, 1.0, 30.0]), seed=st.integers(0, 2**16))
-def test_norm_rope_add_match_pytorch(rows, dtype, scale, seed):
+def test_norm_and_rope_match_pytorch(rows, dtype, scale, seed):
     g = torch.Generator().manual_seed(seed)
     rnd = lambda *s: (torch.randn(*s, generator=g) * scale).to(dtype)
     x, res = rnd(rows, 576), rnd(rows, 576)
@@ -43,7 +50,6 @@ def test_norm_rope_add_match_pytorch(rows, dtype, scale, seed):
     qkv = rnd(rows, 15, 64)
     want = torch.cat([RotaryEmbedding.rotate(qkv[:, :12], cos, sin), qkv[:, 12:]], 1)
     assert same(dtype)(rope_(qkv.clone(), cos, sin, 12), want)
-    assert torch.equal(add_(x.clone(), res), x + res)
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul_matches_pytorch(dtype):
@@ -51,15 +57,14 @@ def test_silu_mul_matches_pytorch(dtype):
     g, u = gu.chunk(2, -1)
     got, want = silu_mul(gu).float(), (F.silu(g) * u).float()
     if dtype == torch.float32: assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
-    else:  # exp may differ from PyTorch's in the last fp32 bit, which rarely moves a bf16 rounding: one bf16 step at most
-        assert ((got - want).abs() <= want.abs() * 2**-7).all() and (got != want).float().mean() < 0.01
+    else: assert bf16_close(got, want)  # exp_fast and PyTorch's exp differ in their last fp32 bits
 
 def test_bad_tensors_are_refused_with_one_line():
     x, w = torch.randn(4, 576), torch.randn(576)
     for call, word in [(lambda: rms_norm(x.t().contiguous().t(), w, 1e-5), "contiguous"),
                        (lambda: rms_norm(x, w.bfloat16(), 1e-5), "dtype"),
                        (lambda: rms_norm(x.half(), w.half(), 1e-5), "float16"),
-                       (lambda: add_(x, torch.randn(4, 575)), "shapes")]:
+                       (lambda: silu_mul(torch.randn(4, 3072)[:, ::2]), "contiguous")]:
         with pytest.raises(ValueError) as e: call()
         assert "\n" not in str(e.value) and word in str(e.value)
     assert torch.allclose(rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5), rtol=1e-5, atol=1e-6)  # still usable
@@ -76,12 +81,15 @@ def test_fused_model_matches_transformers_fp32(model_dir, tokenizer):
         got = fused(torch.tensor(ids), torch.arange(len(ids)), NoCache())
     assert (got - ref).abs().max().item() <= 1e-4
 
-def test_fused_model_bf16_logits_equal_unfused(model_dir, tokenizer):
-    ids = tokenizer.encode("The three primary colours are red, yellow and blue. Mixing red and yellow gives")
+@pytest.mark.parametrize("rows", [1, FUSED_MAX_ROWS, FUSED_MAX_ROWS + 1, 200], ids=["one", "at-limit", "past-limit", "prefill"])
+def test_fused_model_bf16_matches_unfused(model_dir, tokenizer, rows):
+    "Kernels (up to FUSED_MAX_ROWS tokens) or PyTorch's ops (past it): the same bf16 logits but for a rare silu rounding."
+    ids = (tokenizer.encode("The three primary colours are red, yellow and blue. Mixing red and yellow gives") * 20)[:rows]
     plain, fused = load_model(model_dir, "bfloat16"), fuse_cpu_ops(load_model(model_dir, "bfloat16"))
     with torch.inference_mode():
         a, b = (m(torch.tensor(ids), torch.arange(len(ids)), NoCache()) for m in (plain, fused))
-    assert torch.equal(a, b)
+    if rows > FUSED_MAX_ROWS: assert torch.equal(a, b)  # PyTorch's own ops: bit for bit
+    else: assert (a - b).abs().max() <= 0.25 and torch.equal(a.argmax(-1), b.argmax(-1))
 
 def test_fuse_refuses_what_it_cannot_run(model_dir):
     with pytest.raises(ValueError, match="float32 or bfloat16"): fuse_cpu_ops(load_model(model_dir, "float16"))
