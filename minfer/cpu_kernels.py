@@ -177,13 +177,19 @@ def cxx_compiler():
     "Path of the C++ compiler (`$CXX`, else `c++`), or None."
     return shutil.which(os.environ.get("CXX", "c++"))
 
+def _cpu_features():
+    "What `-march=native` compiles for: the architecture and, on Linux, the CPU's feature flags."
+    try: flags = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith(("flags", "Features")))
+    except (OSError, StopIteration): flags = ""
+    return f"{platform.machine()} {flags}"
+
 def build_cpu_kernels(source=None, out_dir=None):
     """Compile `source` (default: `CPU_KERNELS_SOURCE`) into a shared library, once: the file is named by a hash of the
-    source, compiler, flags and machine, so a later call (or process) finds it. Returns its path."""
+    source, compiler, flags and CPU, so a later call (or process) finds it. Returns its path."""
     source = CPU_KERNELS_SOURCE if source is None else source
     cxx = cxx_compiler()
     if cxx is None: raise RuntimeError(f"no C++ compiler found (looked for {os.environ.get('CXX', 'c++')!r} on PATH); install g++ or clang++, or use kernels='torch'")
-    key = hashlib.sha256("\n".join([source, cxx, *CXX_FLAGS, platform.machine()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\n".join([source, cxx, *CXX_FLAGS, _cpu_features()]).encode()).hexdigest()[:16]
     out_dir = Path(out_dir) if out_dir is not None else data_dir() / "build"
     lib = out_dir / f"minfer_cpu_kernels_{key}.so"
     if lib.exists(): return lib
@@ -235,17 +241,23 @@ def rms_norm(x, weight, eps, residual=None):
     """`weight * x / rms(x)` over the last dim, rounded as chapter 00a's `RMSNorm`. With `residual`, first `x += residual`
     in place (the residual stream's add, fused into the norm that follows it)."""
     out, n = torch.empty_like(x), x.shape[-1]
+    if weight.shape != (n,) or (residual is not None and residual.shape != x.shape):
+        raise ValueError(f"rms_norm: weight {tuple(weight.shape)} and residual must match x {tuple(x.shape)} (weight: its last dim)")
     f = _kernel("rms_norm", x, weight, out) if residual is None else _kernel("rms_norm", x, weight, out, residual)
     f(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // n, n, eps)
     return out
 
 def rope_(qkv, cos, sin, heads):
     "Rotate the first `heads` heads of every row of `qkv` [T, heads_total, d] in place. cos, sin: [T, 1, d] (`RotaryEmbedding.tables`)."
-    _kernel("rope", qkv, cos, sin)(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), qkv.shape[0], qkv.stride(0), heads, qkv.shape[-1])
+    T, H, d = qkv.shape
+    if cos.shape != sin.shape or cos.numel() != T * d or not 0 <= heads <= H:
+        raise ValueError(f"rope_: qkv {(T, H, d)} needs cos, sin with {T} x {d} values and heads <= {H}; got {tuple(cos.shape)}, heads={heads}")
+    _kernel("rope", qkv, cos, sin)(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), T, qkv.stride(0), heads, d)
     return qkv
 
 def silu_mul(gate_up):
     "`silu(gate) * up` for rows `[gate | up]` of the fused gate/up projection: [T, 2I] -> [T, I]."
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2: raise ValueError(f"silu_mul: gate_up must be [T, 2 * I], got {tuple(gate_up.shape)}")
     out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
     _kernel("silu_mul", gate_up, out)(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], out.shape[1])
     return out

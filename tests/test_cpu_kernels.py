@@ -64,7 +64,11 @@ def test_bad_tensors_are_refused_with_one_line():
     for call, word in [(lambda: rms_norm(x.t().contiguous().t(), w, 1e-5), "contiguous"),
                        (lambda: rms_norm(x, w.bfloat16(), 1e-5), "dtype"),
                        (lambda: rms_norm(x.half(), w.half(), 1e-5), "float16"),
-                       (lambda: silu_mul(torch.randn(4, 3072)[:, ::2]), "contiguous")]:
+                       (lambda: silu_mul(torch.randn(4, 3072)[:, ::2]), "contiguous"),
+                       (lambda: rms_norm(x, w[:100], 1e-5), "weight"),  # shapes a raw pointer would overrun
+                       (lambda: rope_(torch.randn(4, 15, 64), torch.randn(3, 1, 64), torch.randn(3, 1, 64), 12), "cos"),
+                       (lambda: rope_(torch.randn(4, 15, 64), torch.randn(4, 1, 64), torch.randn(4, 1, 64), 16), "heads"),
+                       (lambda: silu_mul(torch.randn(4, 3071)), "2 * I")]:
         with pytest.raises(ValueError) as e: call()
         assert "\n" not in str(e.value) and word in str(e.value)
     assert torch.allclose(rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5), rtol=1e-5, atol=1e-6)  # still usable

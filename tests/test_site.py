@@ -100,6 +100,7 @@ def test_no_broken_internal_links():
 
 def test_every_public_name_is_documented_and_linked_to_its_chapter():
     import importlib
+    from docutils.nodes import make_id
     for mod in build_docs.module_names():
         page = DOCS / "api" / f"{mod}.html"
         ids, text = _parse(page).ids, page.read_text()
@@ -108,7 +109,7 @@ def test_every_public_name_is_documented_and_linked_to_its_chapter():
             assert full in ids, f"{full} has no entry on {page.relative_to(DOCS)}"
         # each entry says where it is built: a link to an anchor in a chapter page (checked by the link test)
         for name in importlib.import_module(mod).__all__:
-            anchor = "src-" + f"{mod}.{name}".lower().replace(".", "-").replace("_", "-")
+            anchor = make_id(build_docs.label(f"{mod}.{name}"))  # as docutils spells a label (`rope_` -> `...-rope`)
             assert f"#{anchor}\"" in text, f"{mod}.{name}: no link to the chapter cell that builds it"
 
 
