@@ -8,7 +8,7 @@ the same output to float rounding. `LLM(kernels="cpu")` greedy tokens against ch
 import collections
 import pytest, torch
 import torch.nn.functional as F
-from hypothesis import given, settings, HealthCheck, strategies as st
+from hypothesis import given, example, settings, strategies as st
 
 from minfer import cpu_kernels as ck
 from minfer.cpu_kernels import (rms_norm, rope_, silu_mul, fuse_cpu_ops, CpuAttention, build_cpu_kernels, cpu_kernels,
@@ -32,10 +32,15 @@ def bf16_close(a, b):
 
 def same(dtype):
     """bf16: the kernels round where PyTorch rounds, but sum in another order, so a last-bit difference in fp32 now and
-    then moves a bf16 rounding; fp32: float rounding."""
-    return bf16_close if dtype == torch.bfloat16 else (lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6))
+    then moves a bf16 rounding; fp32: float rounding (the compiler may fuse a multiply and an add)."""
+    return bf16_close if dtype == torch.bfloat16 else fp32_close
+
+def fp32_close(a, b):
+    "Within a few fp32 roundings, relative to each value or, where terms cancel (RoPE's sum), to the largest one."
+    return torch.allclose(a, b, rtol=1e-5, atol=1e-6 * b.abs().max().item())
 
 @settings(max_examples=25, deadline=None)
+@example(rows=39, dtype=torch.float32, scale=30.0, seed=1)  # found by CI: RoPE's sum cancels to near 0
 @given(rows=st.integers(1, 40), dtype=st.sampled_from(DTYPES), scale=st.sampled_from([0.01, 1.0, 30.0]), seed=st.integers(0, 2**16))
 def test_norm_and_rope_match_pytorch(rows, dtype, scale, seed):
     g = torch.Generator().manual_seed(seed)
