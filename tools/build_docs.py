@@ -406,6 +406,10 @@ def build(jobs="auto"):
     if tmp.exists(): shutil.rmtree(tmp)
     shutil.copytree(HTML, tmp, ignore=shutil.ignore_patterns(".doctrees", ".buildinfo", "_sources", "*.ipynb", "*.map", "locales", "*webpack-macros.html"))
     (tmp / ".nojekyll").write_text("")  # GitHub Pages: serve _static/ and _images/ as they are
+    # Sphinx's incremental build keeps every figure it ever wrote: ship only the ones a page still shows
+    shown = {m for page in tmp.rglob("*.html") for m in re.findall(r'_images/([^"\'\s)]+)', page.read_text())}
+    for img in (tmp / "_images").glob("*"):
+        if img.name not in shown: img.unlink()
     (tmp / STAMP.name).write_text(inputs_hash() + "\n")
     if DOCS.exists(): shutil.rmtree(DOCS)
     tmp.rename(DOCS)
