@@ -17,6 +17,7 @@ from .model import load_model, Tokenizer, ModelConfig, default_model_dir, check_
 from .sampling import SamplingParams, Sequence, SequentialEngine
 from .engine import LLMEngine
 from .cpu_kernels import can_fuse, fuse_cpu_ops, cxx_compiler
+from .cpu_step import can_step, fuse_decode_step, StepLlama
 from .roofline import decode_bytes_per_token
 
 # %% ../nbs/11_llm.ipynb #8c239716
@@ -50,7 +51,7 @@ SWITCHES = {
     "dtype": ("auto", *DTYPES),              # ch. 00
     "device": ("auto", "cpu", "cuda"),
     "attention": ("auto", "torch", "triton", "cpu"),  # ch. 03 (PyTorch gather), 05 (Triton kernels), 05b (C++ decode kernel)
-    "kernels": ("auto", "torch", "cpu"),     # the small ops: PyTorch's (ch. 00a), or fused C++ kernels on a CPU (ch. 05b)
+    "kernels": ("auto", "torch", "cpu", "step"),  # PyTorch's ops (ch. 00a); fused C++ ops between the matvecs (ch. 05b); the whole decode step in one C++ call (ch. 05c)
     "weights": ("auto", "plain", "packed"),  # ch. 00a (oneDNN-packed fp32 on CPU); ch. 06 (AWQ INT4) is not written yet
     "kv_dtype": ("auto",),                   # ch. 07 (KV quantization) is not written yet
     "speculative": (None,),                  # ch. 09 is not written yet
@@ -76,22 +77,28 @@ class LLM:
         if device == "cuda" and not torch.cuda.is_available(): raise ValueError("device='cuda' requested but no CUDA device is available; use device='cpu'")
         # bf16 matmuls are slow on CPUs without bf16 units (0.9 GFLOP/s measured on the course's 2-core machine)
         if dtype == "auto": dtype = "bfloat16" if device == "cuda" else "float32"
-        if weights == "auto": weights = "packed" if can_pack(dtype, device) else "plain"
         if weights == "packed" and not can_pack(dtype, device):
             raise ValueError(f"weights='packed' needs dtype='float32' on device='cpu' with oneDNN (got {dtype!r} on {device!r}); use weights='plain'")
-        if kernels == "auto": kernels = "cpu" if can_fuse(dtype, device) else "torch"
+        if kernels == "step" and weights == "packed": raise ValueError("kernels='step' reads plain weights; use weights='plain' (or kernels='cpu' with packed weights)")
+        if kernels == "auto": kernels = "step" if weights != "packed" and can_step(dtype, device) else "cpu" if can_fuse(dtype, device) else "torch"
+        if kernels == "step" and not can_step(dtype, device):
+            why = "" if cxx_compiler() else ", and no C++ compiler is on PATH"
+            raise ValueError(f"kernels='step' needs dtype 'float32' or 'bfloat16' on device='cpu' and a C++ compiler with OpenMP (got {dtype!r} on {device!r}{why}); use kernels='cpu' or 'torch'")
+        # the one-call step reads plain weights (and streams them faster than oneDNN's packed ones, chapter 05c)
+        if weights == "auto": weights = "packed" if kernels != "step" and can_pack(dtype, device) else "plain"
         for name, value in (("kernels", kernels), ("attention", attention)):
             if value == "cpu" and not can_fuse(dtype, device):
                 why = "" if cxx_compiler() else ", and no C++ compiler is on PATH"
                 raise ValueError(f"{name}='cpu' needs dtype 'float32' or 'bfloat16' on device='cpu' and a C++ compiler (got {dtype!r} on {device!r}{why}); use {name}='{'torch' if name == 'kernels' else 'auto'}'")
-        if attention == "auto" and kernels == "cpu" and kv == "paged": attention = "cpu"
+        if attention == "auto" and kernels in ("cpu", "step") and kv == "paged": attention = "cpu"
         self.model_dir = Path(model) if model is not None else default_model_dir()
         check_model_folder(self.model_dir)
         self.config = ModelConfig.from_folder(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)
         self.model = load_model(self.model_dir, dtype, device)
         if weights == "packed": pack_weights(self.model)
-        if kernels == "cpu": fuse_cpu_ops(self.model)
+        if kernels in ("cpu", "step"): fuse_cpu_ops(self.model)
+        if kernels == "step": fuse_decode_step(self.model)
         self.dtype, self.device, self.kv, self.prefix_cache, self.weights, self.kernels = dtype, device, kv, bool(prefix_cache), weights, kernels
         self.eos_ids = tuple(sorted({*self.config.eos_token_id, *([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])}))
         if kv == "paged":
@@ -206,8 +213,9 @@ LLM.stream, LLM._render_chat, LLM.chat = stream, _render_chat, chat
 # %% ../nbs/11_llm.ipynb #72705b8f
 def decode_breakdown(llm, prompt="Once upon a time", max_tokens=128):
     """Where a decode step's time goes, in ms per generated token: `max_tokens` greedy tokens with forward hooks on the
-    model's modules (each hook costs about a microsecond); 'the rest' is the step's time minus the timed parts.
-    The prompt's prefill is counted too, spread over the tokens: keep the prompt short."""
+    model's modules (each hook costs about a microsecond); a one-call step (`kernels="step"`, chapter 05c) times its
+    parts itself. 'The rest' is the step's time minus the timed parts. The prompt's prefill is counted too, spread over
+    the tokens: keep the prompt short."""
     model, start, hooks = llm.model, {}, []
     spent = dict.fromkeys(["attention", "attention matvecs", "mlp", "mlp matvecs", "norm", "head"], 0.0)
     # on a GPU a module returns once its kernels are queued: wait for them, or the times are launch times
@@ -222,15 +230,19 @@ def decode_breakdown(llm, prompt="Once upon a time", max_tokens=128):
         timed(f, "mlp"); timed(f.gate_up_proj, "mlp matvecs"); timed(f.down_proj, "mlp matvecs")
         timed(layer.input_layernorm, "norm"); timed(layer.post_attention_layernorm, "norm")
     timed(model.norm, "norm"); timed(model.lm_head, "head")
+    own = torch.zeros(5, dtype=torch.float64)  # a one-call step's own timings, in the order of `parts` below
+    if isinstance(model, StepLlama): model.timings = own
     try:
         t = time.perf_counter()
         llm.generate(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), raw=True)
         sync(); total = time.perf_counter() - t
     finally:
         for h in hooks: h.remove()
+        if isinstance(model, StepLlama): model.timings = None
     ms = {k: v / max_tokens * 1e3 for k, v in spent.items()}
     parts = {"layer matvecs": ms["attention matvecs"] + ms["mlp matvecs"], "LM head matvec": ms["head"], "RMSNorm": ms["norm"],
              "RoPE + KV write + attention": ms["attention"] - ms["attention matvecs"], "SiLU × up": ms["mlp"] - ms["mlp matvecs"]}
+    for k, s in zip(parts, own.tolist()): parts[k] += s / max_tokens * 1e3
     parts["the rest"] = total / max_tokens * 1e3 - sum(parts.values())
     return parts
 

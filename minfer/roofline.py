@@ -68,9 +68,10 @@ def measure_matmul_flops(n=1024, dtype="float32", device="cpu"):
     sync = torch.cuda.synchronize if a.is_cuda else (lambda: None)
     return 2 * n**3 / _median_time(lambda: (a @ b, sync()))
 
-def measure_matvec_bandwidth(cfg, dtype="float32", device="cpu", packed=False):
+def measure_matvec_bandwidth(cfg, dtype="float32", device="cpu", packed=False, op=None):
     """Bytes/s that one-token matrix-vector products reach on the model's own weight shapes (the practical decode ceiling).
-    packed=False: `F.linear`, PyTorch's default; packed=True: oneDNN on pre-packed weights (`PackedLinear`, fp32 CPU)."""
+    packed=False: `F.linear`, PyTorch's default; packed=True: oneDNN on pre-packed weights (`PackedLinear`, fp32 CPU);
+    op: `op(w)` -> a function of x to measure instead (a later chapter's own matvec)."""
     from minfer.model import PackedLinear
     dt, h = getattr(torch, dtype), cfg.hidden_size
     shapes = [((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim, h),
@@ -78,7 +79,7 @@ def measure_matvec_bandwidth(cfg, dtype="float32", device="cpu", packed=False):
     # one set of matrices per layer, so the working set is the model's, not a cache-resident toy
     mats = [torch.randn(*s, dtype=dt, device=device) for _ in range(cfg.num_hidden_layers) for s in shapes]
     mats.append(torch.randn(cfg.vocab_size, h, dtype=dt, device=device))  # the LM head
-    ops = [PackedLinear(w) if packed else (lambda x, w=w: F.linear(x, w)) for w in mats]
+    ops = [op(w) if op else PackedLinear(w) if packed else (lambda x, w=w: F.linear(x, w)) for w in mats]
     xs = {s[1]: torch.randn(1, s[1], dtype=dt, device=device) for s in shapes}
     sync = torch.cuda.synchronize if mats[0].is_cuda else (lambda: None)
     def step():

@@ -16,6 +16,7 @@ from minfer.cpu_kernels import (rms_norm, rope_, silu_mul, fuse_cpu_ops, CpuAtte
 from minfer.model import RMSNorm, RotaryEmbedding, ModelConfig, NoCache, load_model
 from minfer.paged import PagedKVCache, PagedAttention, BlockTable, build_batch_meta
 from minfer.llm import LLM
+from minfer.cpu_step import cpu_step_kernels
 from minfer.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not ck.cpu_kernels_available(), reason="no C++ compiler to build the CPU kernels")
@@ -155,19 +156,20 @@ def test_llm_cpu_kernels_equal_naive(model_dir, model, tokenizer):
         assert o.token_ids == want or near_tie_at(model, tokenizer.encode(t), o.token_ids, want)
 
 def test_kernels_switch_defaults_and_errors(model_dir, monkeypatch, tmp_path):
-    assert LLM(model_dir).kernels == "cpu" and LLM(model_dir, kernels="torch").kernels == "torch"
+    # "auto" is chapter 05c's one-call step where it builds; with packed weights (which it cannot read), 05b's kernels
+    assert LLM(model_dir).kernels == "step" and LLM(model_dir, weights="packed").kernels == "cpu" and LLM(model_dir, kernels="torch").kernels == "torch"
     assert type(LLM(model_dir, kernels="torch").engine.attn) is PagedAttention
     with pytest.raises(ValueError) as e: LLM(model_dir, kernels="cpu", dtype="float16")
     assert "\n" not in str(e.value) and "kernels='cpu'" in str(e.value) and "use kernels='torch'" in str(e.value)
     # no compiler: "auto" falls back to PyTorch's ops, an explicit "cpu" says why it cannot
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("MINFER_HOME", str(tmp_path))  # nothing built there either
-    cpu_kernels.cache_clear()
+    cpu_kernels.cache_clear(); cpu_step_kernels.cache_clear()
     try:
         assert not can_fuse("float32", "cpu") and LLM(model_dir).kernels == "torch"
         with pytest.raises(ValueError, match="no C.. compiler is on PATH"): LLM(model_dir, kernels="cpu")
     finally:
-        monkeypatch.undo(); cpu_kernels.cache_clear()
+        monkeypatch.undo(); cpu_kernels.cache_clear(); cpu_step_kernels.cache_clear()
     assert can_fuse("float32", "cpu")
 
 def test_build_is_cached_and_reports_compile_errors(tmp_path):

@@ -1,0 +1,131 @@
+"""Chapter 05c: the one-call decode step and its matvec, against independent references (F.linear, transformers, chapter
+05b's modules over the same pool, chapter 01's naive decode)."""
+import collections
+import pytest, torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+from minfer.cpu_step import matvec, StepLlama, STEP_MAX_ROWS, fuse_decode_step, cpu_step_available
+from minfer.cpu_kernels import fuse_cpu_ops, CpuAttention, FUSED_MAX_ROWS
+from minfer.model import Llama, load_model, pack_weights
+from minfer.paged import PagedKVCache, PagedAttention, BlockTable, build_batch_meta
+from minfer.llm import LLM
+from minfer.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(not cpu_step_available(), reason="no C++ compiler with OpenMP to build the step kernels")
+LONG = " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog while counting sheep." for i in range(40))
+TEXTS = ["The capital of France is", "def fibonacci(n):", LONG, "Water boils at 100 degrees Celsius at sea level. At the top of"]
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, FUSED_MAX_ROWS), n_in=st.sampled_from([16, 37, 576, 1536]), n_out=st.integers(1, 300),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_matvec_matches_linear(rows, n_in, n_out, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    w, x = torch.randn(n_out, n_in, generator=g).to(dtype), torch.randn(rows, n_in, generator=g).to(dtype)
+    got, exact = matvec(w, x).float(), F.linear(x.float(), w.float())  # the exact sums of the same (rounded) inputs
+    # fp32: a few roundings of a sum of n_in terms; bf16: one rounding of the output (both sum in fp32 first)
+    tol = 1e-6 * n_in ** 0.5 * exact.abs().max() if dtype == torch.float32 else exact.abs() * 2**-8 + 1e-6 * exact.abs().max()
+    assert ((got - exact).abs() <= tol).all(), (got - exact).abs().max()
+
+def test_matvec_refuses_bad_input_with_one_line():
+    w, x = torch.randn(64, 32), torch.randn(2, 32)
+    for call, word in [(lambda: matvec(w, torch.randn(FUSED_MAX_ROWS + 1, 32)), "x must be"),
+                       (lambda: matvec(w, torch.randn(2, 31)), "x must be"),
+                       (lambda: matvec(w.t(), torch.randn(2, 64)), "contiguous"),
+                       (lambda: matvec(w.bfloat16(), x), "dtype"),
+                       (lambda: matvec(w.half(), x.half()), "float16")]:
+        with pytest.raises(ValueError) as e: call()
+        assert "\n" not in str(e.value) and word in str(e.value)
+    assert torch.allclose(matvec(w, x), F.linear(x, w), rtol=1e-5, atol=1e-5)  # still usable
+
+def prefill_then_decode(model, prompts, steps, bs=8, seed=0):
+    """Prefill `prompts` (token ids) into a pool with a shuffled free list, then `steps` greedy decode steps of all of
+    them together: (logits of every decode step [steps, batch, vocab], the pool's k, v, the attention object)."""
+    nb = sum(-(-(len(p) + steps) // bs) for p in prompts) + 4
+    cache = PagedKVCache(model.cfg, nb, bs, model.dtype)
+    cache.allocator.free_ids = collections.deque(torch.randperm(nb, generator=torch.Generator().manual_seed(seed)).tolist())
+    attn, tables, nxt, out = CpuAttention(cache), [], [], []
+    with torch.inference_mode():
+        for ids in prompts:
+            t = BlockTable(cache.allocator); t.append_slots(len(ids)); tables.append(t)
+            attn.meta = build_batch_meta([(t, 0, len(ids))], bs)
+            nxt.append(int(model(torch.tensor(ids), torch.arange(len(ids)), attn, logits_rows=torch.tensor([len(ids) - 1]))[0].argmax()))
+        for _ in range(steps):
+            for t in tables: t.append_slots(1)
+            attn.meta = build_batch_meta([(t, t.num_tokens - 1, 1) for t in tables], bs)
+            logits = model(torch.tensor(nxt), torch.tensor([t.num_tokens - 1 for t in tables]), attn, logits_rows=torch.arange(len(tables)))
+            out.append(logits); nxt = logits.argmax(-1).tolist()
+    return torch.stack(out), cache.k, cache.v, attn
+
+def step_model(model_dir, dtype):
+    model = fuse_decode_step(fuse_cpu_ops(load_model(model_dir, dtype)))
+    model.timings = torch.zeros(5, dtype=torch.float64)  # to see that the one call ran
+    return model
+
+def test_one_call_matches_transformers_fp32(model_dir, tokenizer):
+    "Contract 1 for the one-call step: 4 sequences (one of 500+ tokens) in one decode step, within 1e-4 of transformers."
+    from transformers import LlamaForCausalLM
+    hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts = [tokenizer.encode(t) for t in TEXTS]
+    assert max(map(len, prompts)) >= 500
+    model = step_model(model_dir, "float32")
+    logits, *_ = prefill_then_decode(model, prompts, steps=1)
+    assert model.timings.sum() > 0  # the decode step was the C++ call, not the modules
+    with torch.inference_mode():
+        for ids, got in zip(prompts, logits[0]):
+            full = ids + [int(hf(torch.tensor([ids])).logits[0, -1].argmax())]
+            ref = hf(torch.tensor([full])).logits[0, -1]
+            assert (got - ref).abs().max().item() <= 1e-4
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_call_matches_chapter_05b_over_several_steps(model_dir, tokenizer, dtype):
+    """Three decode steps of four sequences: the same logits and the same K/V in the pool as chapter 05b's modules
+    (fp32: float rounding; bf16: the matvecs sum in another order, so a rounding of the logits, and the same tokens)."""
+    prompts = [tokenizer.encode(t) for t in TEXTS]
+    step = step_model(model_dir, dtype)
+    ops = fuse_cpu_ops(load_model(model_dir, dtype))
+    got, k_got, v_got, _ = prefill_then_decode(step, prompts, steps=3)
+    want, k_want, v_want, _ = prefill_then_decode(ops, prompts, steps=3)
+    assert step.timings.sum() > 0
+    if dtype == "float32":
+        assert (got - want).abs().max() <= 1e-4 and torch.allclose(k_got, k_want, atol=1e-4) and torch.allclose(v_got, v_want, atol=1e-4)
+    else:
+        assert torch.equal(got.argmax(-1), want.argmax(-1)) and (got - want).abs().max() <= 0.5
+        for got_pool, want_pool in ((k_got, k_want), (v_got, v_want)):
+            written = (got_pool != 0) | (want_pool != 0)  # the rest of both pools is still zero; a K/V in the wrong slot fails here
+            close = (got_pool - want_pool).abs() <= want_pool.abs() * 2**-6 + 0.02
+            assert close[written].float().mean() > 0.99
+
+def test_steps_it_cannot_take_run_the_modules(model_dir, tokenizer):
+    "Prefills, steps over the row limit and other attentions go through the modules: chapter 05b's numbers exactly."
+    step, ops = step_model(model_dir, "float32"), fuse_cpu_ops(load_model(model_dir))
+    many = [tokenizer.encode(t) for t in TEXTS] * 3  # 12 sequences: more than STEP_MAX_ROWS[float32]
+    assert len(many) > STEP_MAX_ROWS[torch.float32]
+    a, *_ = prefill_then_decode(step, many, steps=1)
+    b, *_ = prefill_then_decode(ops, many, steps=1)
+    assert torch.equal(a, b) and step.timings.sum() == 0
+
+def test_llm_step_equals_naive(model_dir, model, tokenizer):
+    "Contract 2: LLM(kernels='step') gives chapter 01's greedy tokens, alone and in a batch that crosses the row limit."
+    from minfer.naive import naive_generate
+    from test_engine import TEXTS as ENGINE_TEXTS, near_tie_at
+    llm = LLM(model_dir, kernels="step")
+    assert llm.kernels == "step" and llm.weights == "plain" and isinstance(llm.model, StepLlama) and type(llm.engine.attn) is CpuAttention
+    texts = ENGINE_TEXTS + ENGINE_TEXTS[:2]  # 10 prompts: the first decode steps run the modules, later ones one call
+    outs = llm.generate(texts, SamplingParams(max_tokens=8, ignore_eos=True), raw=True)
+    outs += llm.generate(texts[:1], SamplingParams(max_tokens=8, ignore_eos=True), raw=True)
+    for t, o in zip(texts + texts[:1], outs):
+        want = naive_generate(model, tokenizer.encode(t), 8)
+        assert o.token_ids == want or near_tie_at(model, tokenizer.encode(t), o.token_ids, want)
+
+def test_step_switch_errors_leave_things_usable(model_dir):
+    for kw, words in [(dict(kernels="step", weights="packed"), "weights='plain'"), (dict(kernels="step", dtype="float16"), "kernels='step' needs")]:
+        with pytest.raises(ValueError) as e: LLM(model_dir, **kw)
+        assert "\n" not in str(e.value) and words in str(e.value)
+    with pytest.raises(ValueError, match="plain"): fuse_decode_step(pack_weights(load_model(model_dir)))
+    llm = LLM(model_dir, kernels="step")
+    llm.model.timings = torch.zeros(5)  # float32, not float64: refused before any pointer is used
+    with pytest.raises(ValueError) as e: llm.generate("Hello", SamplingParams(max_tokens=3))
+    assert "\n" not in str(e.value) and "float64" in str(e.value)
+    llm.model.timings = None
+    assert llm.generate("The capital of France is", SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids
