@@ -164,7 +164,7 @@ def matvec(w, x):
 
 # %% ../nbs/05c_cpu_step.ipynb #03d0d0e6
 # sequences per decode step up to which one call beats 05b's fused ops (measured below on the course machine: in fp32
-# oneDNN's packed GEMM wins at 16 rows, in bf16 PyTorch's products are slower than ours at every size)
+# oneDNN's packed GEMM is as fast or faster at 16 rows, in bf16 PyTorch's products are slower than ours at every size)
 STEP_MAX_ROWS = {torch.float32: 8, torch.bfloat16: FUSED_MAX_ROWS}
 
 class StepLlama(Llama):
@@ -205,7 +205,7 @@ def fuse_decode_step(model):
     if not can_step(model.dtype, model.device):
         raise ValueError(f"the one-call decode step needs float32 or bfloat16 on a CPU with a C++ compiler and OpenMP; this model is {model.dtype} on {model.device}")
     plain = [p for l in model.layers for p in (l.self_attn.qkv_proj, l.self_attn.o_proj, l.mlp.gate_up_proj, l.mlp.down_proj)]
-    if not all(isinstance(p, torch.nn.Linear) for p in [*plain, model.lm_head]):
+    if not all(isinstance(p, torch.nn.Linear) and p.weight.is_contiguous() for p in [*plain, model.lm_head]):
         raise ValueError("the one-call decode step reads plain [out, in] weights; load the model without pack_weights (weights='plain')")
     model.__class__ = StepLlama
     # the weights' addresses, in decode_step's order, gathered once: ~1 ms of Python attribute lookups if done every step
