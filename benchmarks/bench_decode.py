@@ -2,7 +2,7 @@
 
 Same model folder, dtype, prompt and token count; runs alternate (minfer, transformers, minfer, ...) and we report
 medians. Next to them: the bandwidth floor (copy bandwidth / bytes per token) and the practical ceilings (the bandwidth
-PyTorch's matrix-vector products reach on the model's own weight shapes, see chapter 00b): one for the kernel minfer
+matrix-vector products reach on the model's own weight shapes, run back to back, see chapter 00b): one for the kernel minfer
 uses (chapter 05c's own matvec with `kernels="step"`, oneDNN on packed weights with fp32 `kernels="cpu"`), one for
 `F.linear`, which transformers uses. Each ceiling is the best of three measurements.
 Where the greedy tokens part, the table says where, and how far apart transformers' top two logits were there.
