@@ -107,15 +107,19 @@ def test_steps_it_cannot_take_run_the_modules(model_dir, tokenizer):
     assert torch.equal(a, b) and step.timings.sum() == 0
 
 def test_llm_step_equals_naive(model_dir, model, tokenizer):
-    "Contract 2: LLM(kernels='step') gives chapter 01's greedy tokens, alone and in a batch that crosses the row limit."
+    """Contract 2: LLM(kernels='step') gives chapter 01's greedy tokens: 10 prompts at once (over fp32's row limit: the
+    modules), 5 at once and 1 alone (one call each step, seen on the call's clock)."""
     from minfer.naive import naive_generate
     from test_engine import TEXTS as ENGINE_TEXTS, near_tie_at
     llm = LLM(model_dir, kernels="step")
     assert llm.kernels == "step" and llm.weights == "plain" and isinstance(llm.model, StepLlama) and type(llm.engine.attn) is CpuAttention
-    texts = ENGINE_TEXTS + ENGINE_TEXTS[:2]  # 10 prompts: the first decode steps run the modules, later ones one call
-    outs = llm.generate(texts, SamplingParams(max_tokens=8, ignore_eos=True), raw=True)
-    outs += llm.generate(texts[:1], SamplingParams(max_tokens=8, ignore_eos=True), raw=True)
-    for t, o in zip(texts + texts[:1], outs):
+    texts, p = ENGINE_TEXTS + ENGINE_TEXTS[:2], SamplingParams(max_tokens=8, ignore_eos=True)
+    llm.model.timings = clock = torch.zeros(5, dtype=torch.float64)
+    outs = llm.generate(texts, p, raw=True)
+    assert clock.sum() == 0  # 10 sequences per step: never one call
+    outs += llm.generate(texts[:5], p, raw=True) + llm.generate(texts[:1], p, raw=True)
+    assert clock.sum() > 0
+    for t, o in zip(texts + texts[:5] + texts[:1], outs):
         want = naive_generate(model, tokenizer.encode(t), 8)
         assert o.token_ids == want or near_tie_at(model, tokenizer.encode(t), o.token_ids, want)
 
