@@ -62,11 +62,11 @@ def bench(dtype, n, repeats, kv, kernels="auto"):
     same = f"{a == b}{first_difference(hf, ids, a, b)}"
     bw = measure_bandwidth(device=llm.device)
     # ceilings: the best of three measurements (a busy neighbour on this VM only ever slows one down)
-    ceiling = lambda **kw: max(measure_matvec_bandwidth(llm.config, dtype, device=llm.device, **kw) for _ in range(3))
+    ceiling = lambda **kw: max(measure_matvec_bandwidth(llm.model_config, dtype, device=llm.device, **kw) for _ in range(3))
     matvec = ceiling()
     if llm.kernels == "step": matvec_ours = ceiling(op=lambda w: (lambda x: step_matvec(w, x)))  # chapter 05c's own matvec
     else: matvec_ours = ceiling(packed=True) if llm.weights == "packed" else matvec
-    bpt = decode_bytes_per_token(llm.config, dtype, context=len(ids) + n // 2)
+    bpt = decode_bytes_per_token(llm.model_config, dtype, context=len(ids) + n // 2)
     parts = decode_breakdown(llm, llm.tokenizer.decode(ids, skip_special_tokens=False), n)
     return dict(parts=parts, dtype=dtype, kv=kv, weights=llm.weights, kernels=llm.kernels, minfer=n / statistics.median(ours), transformers=n / statistics.median(theirs),
                 minfer_decode=1 / statistics.median(tpots), floor=bw / bpt, practical=matvec_ours / bpt, practical_linear=matvec / bpt,

@@ -1,34 +1,49 @@
-"""Offline throughput: 64 requests with varied prompt and output lengths, minfer's continuous-batching engine vs
-transformers' `generate` in padded static batches. Same model, dtype, prompts and output lengths, in one process,
+"""Offline throughput on two request mixes: minfer's `LLM(...).generate(list)` with its default switches (or others)
+vs transformers' `generate` in padded static batches. Same model, dtype, prompts and output lengths, in one process,
 alternating, medians.
 
-Workload (`minfer.engine.make_workload`, seed 0): prompt lengths log-normal with median 64 tokens clipped to
-[8, 512], output lengths uniform in [16, 128], all arriving at once. transformers runs batches of `--hf-batch`
-requests, left-padded, each batch generating until its longest member's output length; only each request's own
-tokens count as useful output (the rest of its row is the price of static batching).
+Mixes (64 requests each, real text from data/text/course.txt, all arriving at once, outputs uniform in [16, 128]):
+- decode-heavy: `minfer.engine.make_workload(seed=0)`: prompt lengths log-normal, median 64 tokens, clipped to [8, 512];
+- prefill-heavy: prompt lengths uniform in [100, 500] tokens (seed 1).
+transformers runs batches of `--hf-batch` requests, left-padded, each batch generating until its longest member's output
+length; only each request's own tokens count as useful output (the rest of its row is the price of static batching).
 
-    python benchmarks/bench_throughput.py [--requests 64] [--repeats 2] [--hf-batch 16] [--record]
+    python benchmarks/bench_throughput.py [--dtypes float32 bfloat16] [--mixes decode prefill] [--repeats 2]
+        [--also kernels=cpu kernels=torch] [--record]
 """
-import argparse, datetime, statistics, sys, time
+import argparse, datetime, random, statistics, sys, time
 from pathlib import Path
 
 import torch
-from minfer.model import load_model, default_model_dir, Tokenizer, can_pack, pack_weights
-from minfer.engine import LLMEngine, make_workload, workload_sequence
+from minfer.llm import LLM
+from minfer.model import default_model_dir, Tokenizer, ModelConfig, data_dir
+from minfer.engine import make_workload
+from minfer.sequence import SamplingParams
 from minfer.roofline import measure_bandwidth, weight_bytes_per_step
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_decode import machine
 
-def run_minfer(model, tokenizer, work, **kw):
-    eng = LLMEngine(model, **kw)
-    seqs = [workload_sequence(ids, n, tokenizer) for _, ids, n in work]
+def prefill_heavy(tokenizer, n, seed=1, lo=100, hi=500, out_min=16, out_max=128):
+    "n requests (0.0, prompt ids, max_tokens): prompts uniform in [lo, hi] tokens of real text."
+    rng, ids = random.Random(seed), tokenizer.encode((data_dir() / "text" / "course.txt").read_text())
+    reqs = []
+    for _ in range(n):
+        plen = rng.randint(lo, hi)
+        start = rng.randrange(0, len(ids) - plen)
+        reqs.append((0.0, ids[start:start + plen], rng.randint(out_min, out_max)))
+    return reqs
+
+def run_minfer(llm, work):
+    "Useful output tokens/s of one `generate` call over the whole mix (prompts passed as text, as a user would)."
+    tok = llm.tokenizer
+    prompts = [tok.decode(ids) for _, ids, _ in work]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for *_, n in work]
     t = time.perf_counter()
-    for s in seqs: eng.add(s)
-    while eng.has_unfinished(): eng.step()
+    outs = llm.generate(prompts, params, raw=True)
     dt = time.perf_counter() - t
-    assert all(len(s.output_ids) == n for s, (_, _, n) in zip(seqs, work))
-    return sum(n for *_, n in work) / dt, eng.stats
+    assert all(len(o.token_ids) == n for o, (*_, n) in zip(outs, work))
+    return sum(n for *_, n in work) / dt
 
 def run_transformers(hf, work, batch):
     t = time.perf_counter()
@@ -44,48 +59,72 @@ def run_transformers(hf, work, batch):
         assert out.shape[1] == width + longest
     return sum(n for *_, n in work) / (time.perf_counter() - t)
 
+def switches(spec):
+    "'kernels=cpu,weights=plain' -> {'kernels': 'cpu', 'weights': 'plain'} (integers as integers)."
+    pairs = [kv.split("=", 1) for kv in spec.split(",") if kv]
+    return {k: int(v) if v.isdigit() else v for k, v in pairs}
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--hf-batch", type=int, default=16)
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--mixes", nargs="+", default=["decode", "prefill"], choices=["decode", "prefill"])
+    ap.add_argument("--also", nargs="*", default=[], help="other switch sets to run beside the default, e.g. kernels=cpu")
+    ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--record", action="store_true")
     a = ap.parse_args()
     from transformers import LlamaForCausalLM
     d = default_model_dir()
-    model, tok = load_model(d, a.dtype), Tokenizer(d)
-    weights = "packed" if can_pack(model.dtype, model.device) else "plain"  # what LLM(weights="auto") does
-    if weights == "packed": pack_weights(model)
-    hf = LlamaForCausalLM.from_pretrained(d, dtype=getattr(torch, a.dtype)).eval()
-    work = make_workload(tok, a.requests, seed=0)
-    kw = dict(max_num_seqs=64, max_num_batched_tokens=512)
-    run_minfer(model, tok, work[:4], **kw); run_transformers(hf, work[:2], 2)  # warm-up
-    ours, theirs = [], []
-    for _ in range(a.repeats):
-        tps, stats = run_minfer(model, tok, work, **kw); ours.append(tps)
-        theirs.append(run_transformers(hf, work, a.hf_batch))
-    bw = measure_bandwidth()
-    ceiling_b1 = bw / weight_bytes_per_step(model.cfg, a.dtype)
-    plens, olens = [len(p) for _, p, _ in work], [n for *_, n in work]
-    lines = [f"# Offline throughput, {a.requests} requests, medians of {a.repeats} alternating runs", "",
+    tok = Tokenizer(d)
+    mixes = {"decode": make_workload(tok, a.requests, seed=0), "prefill": prefill_heavy(tok, a.requests)}
+    rows, configs = [], {}
+    for dtype in a.dtypes:
+        llms = {"default": LLM(d, dtype=dtype), **{s: LLM(d, dtype=dtype, **switches(s)) for s in a.also}}
+        for name, llm in llms.items(): configs[dtype, name] = repr(llm).replace(str(d), "<default model>")
+        hf = None if a.no_transformers else LlamaForCausalLM.from_pretrained(d, dtype=getattr(torch, dtype)).eval()
+        for mix in a.mixes:
+            work = mixes[mix]
+            for llm in llms.values(): run_minfer(llm, work[:4])  # warm-up
+            if hf is not None: run_transformers(hf, work[:2], 2)
+            times = {name: [] for name in [*llms, *(["transformers"] if hf is not None else [])]}
+            for _ in range(a.repeats):  # A B C ... A B C: the machine's drift hits every engine alike
+                for name, llm in llms.items(): times[name].append(run_minfer(llm, work))
+                if hf is not None: times["transformers"].append(run_transformers(hf, work, a.hf_batch))
+                print(dtype, mix, {k: round(v[-1], 1) for k, v in times.items()}, flush=True)
+            med = {k: statistics.median(v) for k, v in times.items()}
+            rows.append((dtype, mix, med))
+        del llms, hf
+    bw, cfg = measure_bandwidth(), ModelConfig.from_folder(d)
+    head = ["default"] + a.also
+    lines = [f"# Offline throughput, {a.requests} requests per mix, medians of {a.repeats} alternating runs", "",
              f"- date: {datetime.datetime.now():%Y-%m-%d %H:%M}", f"- machine: {machine()}",
-             f"- command: `python benchmarks/bench_throughput.py {' '.join(sys.argv[1:])}`",
-             f"- workload: make_workload(seed=0): prompts {min(plens)}-{max(plens)} tokens (median {statistics.median(plens):.0f}, total {sum(plens)}), "
-             f"outputs {min(olens)}-{max(olens)} (total {sum(olens)}), all at t=0; dtype {a.dtype}",
-             f"- minfer: LLMEngine(max_num_seqs=64, max_num_batched_tokens=512, block_size=16), PyTorch paged attention, {weights} weights; last run: {stats}",
-             f"- transformers: generate() in left-padded static batches of {a.hf_batch}, each to its longest output", "",
-             "| engine | useful output tokens/s |", "|---|---|",
-             f"| minfer (continuous batching + chunked prefill) | {statistics.median(ours):.1f} |",
-             f"| transformers (static batches of {a.hf_batch}) | {statistics.median(theirs):.1f} |",
-             f"| ratio | {statistics.median(ours)/statistics.median(theirs):.2f}x |", "",
-             f"For scale: batch-1 decode cannot beat copy bandwidth / weight bytes = {bw/1e9:.1f} GB/s / {weight_bytes_per_step(model.cfg, a.dtype)/1e6:.0f} MB = {ceiling_b1:.1f} tok/s; batching shares each weight read across the batch.",
-             "", "Target (issue 5): >= 3x transformers' tokens/s."]
+             f"- command: `python benchmarks/bench_throughput.py {' '.join(sys.argv[1:])}`"]
+    for mix, work in mixes.items():
+        if mix not in a.mixes: continue
+        plens, olens = [len(p) for _, p, _ in work], [n for *_, n in work]
+        lines.append(f"- {mix}-heavy mix: prompts {min(plens)}-{max(plens)} tokens (median {statistics.median(plens):.0f}, "
+                     f"total {sum(plens)}), outputs {min(olens)}-{max(olens)} (total {sum(olens)}), all at t=0")
+    lines += [f"- minfer {k[1]} ({k[0]}): `{v}`" for k, v in configs.items()]
+    lines += [f"- transformers: generate() in left-padded static batches of {a.hf_batch}, each to its longest output", "",
+              "| dtype | mix | " + " | ".join(f"minfer {h} tok/s" for h in head) + " | transformers tok/s | default / transformers |",
+              "|---|---|" + "---|" * (len(head) + 2)]
+    for dtype, mix, med in rows:
+        hf = med.get("transformers")
+        tail = f" | {hf:.1f} | {med['default'] / hf:.2f}x |" if hf else " | - | - |"
+        lines.append(f"| {dtype} | {mix} | " + " | ".join(f"{med[h]:.1f}" for h in head) + tail)
+    lines += ["", f"For scale: batch-1 decode cannot beat copy bandwidth / weight bytes = {bw/1e9:.1f} GB/s / "
+              + ", ".join(f"{weight_bytes_per_step(cfg, dt)/1e6:.0f} MB ({dt})" for dt in a.dtypes)
+              + "; batching shares each weight read across the batch.",
+              "", "Targets (issue 13): the default >= 3x transformers on both mixes, fp32 and bf16; bf16 >= fp32; the default"
+              " no slower than any other switch set."]
     text = "\n".join(lines)
     print(text)
     if a.record:
         out = Path(__file__).parent / f"throughput-{datetime.datetime.now():%Y-%m-%d-%H%M}.md"
-        out.write_text(text + "\n"); print(f"\nrecorded in {out}")
+        out.write_text(text + "\n")
+        print(f"\nrecorded in {out}")
 
 if __name__ == "__main__":
     main()

@@ -204,9 +204,15 @@ def fuse_decode_step(model):
     "Make `model`'s decode steps one `decode_step` call each (the class switches to `StepLlama`, in place)."
     if not can_step(model.dtype, model.device):
         raise ValueError(f"the one-call decode step needs float32 or bfloat16 on a CPU with a C++ compiler and OpenMP; this model is {model.dtype} on {model.device}")
-    plain = [p for l in model.layers for p in (l.self_attn.qkv_proj, l.self_attn.o_proj, l.mlp.gate_up_proj, l.mlp.down_proj)]
-    if not all(isinstance(p, torch.nn.Linear) and p.weight.is_contiguous() for p in [*plain, model.lm_head]):
-        raise ValueError("the one-call decode step reads plain [out, in] weights; load the model without pack_weights (weights='plain')")
+    # plain [out, in] matrices in the model's dtype: nn.Linear's, or those 00a's PackedLinear keeps beside its copy
+    projections = [p for l in model.layers
+                   for p in (l.self_attn.qkv_proj, l.self_attn.o_proj, l.mlp.gate_up_proj, l.mlp.down_proj)]
+    def plain(p):
+        w = getattr(p, "weight", None)
+        return isinstance(w, torch.Tensor) and w.dtype == model.dtype and w.is_contiguous()
+    if not all(plain(p) for p in [*projections, model.lm_head]):
+        raise ValueError("the one-call decode step reads plain [out, in] weights in the model's dtype "
+                         "(weights='plain' or 'packed')")
     model.__class__ = StepLlama
     # the weights' addresses, in decode_step's order, gathered once: ~1 ms of Python attribute lookups if done every step
     # (replace a weight after this and call fuse_decode_step again)

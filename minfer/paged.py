@@ -144,12 +144,20 @@ def build_batch_meta(seqs, block_size, device="cpu"):
 # %% ../nbs/03_paged.ipynb #c96e1446
 class PagedKVCache:
     """The KV pool: `k`, `v` of shape [layers, num_blocks, block_size, kv_heads, head_dim] (so `k[layer]` is one layer's
-    [num_blocks, block_size, kv_heads, head_dim]), and the `allocator` that hands out its blocks."""
+    [num_blocks, block_size, kv_heads, head_dim]), and the `allocator` that hands out its blocks.
+    Everything that touches the pool's memory goes through three methods: `store` writes new tokens' keys and values
+    (where chapter 07 quantizes), `read_blocks` / `write_blocks` move whole blocks (copy-on-write here, chapter 10's
+    transfer between processes). `tensors` names every per-block tensor (chapter 07 adds scales), so they move too."""
+    kv_dtype = "auto"  # the keys and values are stored in the model's dtype
+
     def __init__(self, cfg, num_blocks, block_size=16, dtype=torch.float32, device="cpu"):
         shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.k, self.v = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
         self.cfg, self.num_blocks, self.block_size = cfg, num_blocks, block_size
         self.allocator = BlockAllocator(num_blocks, block_size)
+
+    @property
+    def tensors(self): return {"k": self.k, "v": self.v}
 
     @classmethod
     def from_budget(cls, cfg, budget_bytes, block_size=16, dtype=torch.float32, device="cpu"):
@@ -161,22 +169,38 @@ class PagedKVCache:
     @staticmethod
     def block_bytes(cfg, block_size=16, dtype=torch.float32):
         "Bytes of K and V one block holds across all layers."
-        return block_size * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
+        per_value = torch.empty(0, dtype=dtype).element_size()
+        return block_size * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * per_value
 
     @property
-    def nbytes(self): return self.k.numel() * self.k.element_size() * 2
+    def nbytes(self): return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def store(self, layer, slots, k, v):
+        "Write the keys and values [T, kv_heads, head_dim] of T new tokens into flat slot ids `slots` [T] of `layer`."
+        for pool, x in ((self.k[layer], k), (self.v[layer], v)):
+            pool.view(-1, *pool.shape[2:]).index_copy_(0, slots, x.to(pool.dtype))
+
+    def read_blocks(self, ids):
+        "Every layer's contents of blocks `ids`: {tensor name: [layers, len(ids), ...]} (copies)."
+        idx = torch.as_tensor(list(ids), device=self.k.device)
+        return {name: t[:, idx] for name, t in self.tensors.items()}
+
+    def write_blocks(self, ids, data):
+        "Overwrite blocks `ids` in every layer with `data` from `read_blocks` (of this pool or another one like it)."
+        idx = torch.as_tensor(list(ids), device=self.k.device)
+        for name, t in self.tensors.items(): t[:, idx] = data[name].to(t.device)
 
     def copy_blocks(self, copies):
         "Copy-on-write: for each (src, dst), copy block src into dst in every layer."
-        if not copies: return
-        src, dst = (torch.tensor(x, device=self.k.device) for x in zip(*copies))
-        self.k[:, dst], self.v[:, dst] = self.k[:, src], self.v[:, src]
+        if copies: self.write_blocks([d for _, d in copies], self.read_blocks([s for s, _ in copies]))
 
 # %% ../nbs/03_paged.ipynb #2d4b7ed3
 class PagedAttention:
     """The model's `attention(layer, q, k, v)` over a paged cache. Set `meta` (a `BatchMeta`) before each forward.
     `__call__` writes the new k, v at `meta.slot_mapping`; `attention` is the PyTorch reference (subclasses override it)."""
     decode_group = 16  # decode sequences attended together in one padded SDPA call (sorted by length, so little padding)
+    # what this backend runs on; the engine's config refuses other combinations (chapter 08b)
+    devices, dtypes, kv_dtypes = ("cpu", "cuda"), ("float32", "bfloat16", "float16"), ("auto",)
 
     def __init__(self, cache): self.cache, self._meta, self.plan = cache, None, None
 
@@ -186,11 +210,8 @@ class PagedAttention:
     def meta(self, meta): self._meta, self.plan = meta, None  # the plan is made by the first layer, used by all
 
     def __call__(self, layer, q, k, v):
-        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
-        slots = self.meta.slot_mapping
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
-        return self.attention(q, k_cache, v_cache, self.meta)
+        self.cache.store(layer, self.meta.slot_mapping, k, v)
+        return self.attention(q, self.cache.k[layer], self.cache.v[layer], self.meta)
 
     def make_plan(self, meta, bs):
         """Which rows attend to which cache slots — the same in every layer, so worked out once per step.
@@ -248,11 +269,8 @@ def take(flat, slots):
     return flat[slots] if isinstance(slots, slice) else flat.index_select(0, slots)
 
 # %% ../nbs/03_paged.ipynb #b253905e
-from .sampling import SamplingParams, Sequence, sample
-
-class _IdsOnly:
-    "Stands in for a tokenizer when only token ids are wanted: no text, so no stop strings."
-    def decode(self, ids, skip_special_tokens=True): return ""
+from .sequence import SamplingParams, Sequence
+from .sampling import sample_next
 
 class PagedGenerator:
     """Serve a batch of prompts over one paged pool: every step packs all running sequences into one forward pass.
@@ -282,7 +300,7 @@ class PagedGenerator:
         if len(params) != len(prompts): raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts; give one, or one per prompt")
         if any(sp.stop for sp in params) and tokenizer is None: raise ValueError("stop strings need a tokenizer: pass tokenizer=")
         if self.cache is None: self.cache = self._make_cache(prompts, params)
-        tok, attn, model, dev = tokenizer or _IdsOnly(), PagedAttention(self.cache), self.model, self.model.device
+        tok, attn, model, dev = tokenizer, PagedAttention(self.cache), self.model, self.model.device
         seed = lambda sp, j: None if sp.seed is None else sp.seed + j
         groups = [[Sequence(p, sp, tok, eos_ids, seed=seed(sp, 0), request_id=i)] for i, (p, sp) in enumerate(zip(prompts, params))]
         running = [g[0] for g in groups]
@@ -308,9 +326,9 @@ class PagedGenerator:
                             c = Sequence(s.prompt_ids, sp, tok, eos_ids, seed=seed(sp, j), request_id=s.request_id)
                             c.status, c.metrics = "running", s.metrics.__class__(**vars(s.metrics))
                             self.tables[c.id] = self.fork(s, t, c)
-                            c.append(sample(row, sp, c.generator))
+                            c.append(*sample_next(c, row))
                             groups[s.request_id].append(c); running.append(c)
-                    s.append(sample(row, sp, s.generator))
+                    s.append(*sample_next(s, row))
                 for s in [s for s in running if s.finished]:
                     self.release(s, self.tables.pop(s.id)); running.remove(s)
                 if on_step: on_step(self, running)

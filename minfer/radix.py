@@ -28,6 +28,7 @@ class RadixCache:
     The tree holds one reference on every block it stores, so a cached block outlives the sequence that computed it.
     - `match_prefix(tokens)` -> (blocks, num_tokens, node): the longest cached prefix; refcounts are not touched
       (a `BlockTable(allocator, blocks, n)` increfs what it uses).
+    - `admit(tokens)` -> (BlockTable, node): a new sequence's table over its longest cached prefix, its path locked.
     - `lock(node)` / `unlock(node)`: while a running request uses a path, its nodes cannot be evicted.
     - `insert(tokens, blocks)` -> (num_tokens already cached, node): store the whole blocks of a finished (or prefilled)
       sequence; the tree increfs the blocks it adopts and keeps its own where it already had that prefix.
@@ -83,6 +84,15 @@ class RadixCache:
             node.children[leaf.key[:self.block_size]], node = leaf, leaf
         return i * self.block_size, node
 
+    def admit(self, tokens):
+        """Start a new sequence from its longest cached prefix -> (its `BlockTable`, the node it holds locked).
+        A full hit still leaves the last token to compute: its logits give the next token. The one admit path for
+        prefix-cache hits: chapter 08a's scheduler and the generators here all call it. `unlock(node)` when done."""
+        blocks, n, node = self.match_prefix(tokens)
+        n = min(n, len(tokens) - 1)
+        self.lock(node)
+        return BlockTable(self.allocator, blocks[:-(-n // self.block_size)] if n else [], n), node
+
     def lock(self, node):
         while node is not self.root: node.lock_ref += 1; node = node.parent
 
@@ -135,11 +145,8 @@ class RadixGenerator(PagedGenerator):
 
     def admit(self, seq):
         if not self.prefix_cache: return super().admit(seq)
-        blocks, n, node = self._ensure_radix().match_prefix(seq.prompt_ids)
-        # a full hit still recomputes the last prompt token: its logits give the first new token
-        n = min(n, len(seq.prompt_ids) - 1)
-        self.radix.lock(node); self.locks[seq.id] = node
-        return BlockTable(self.cache.allocator, blocks[:-(-n // self.block_size)] if n else [], n)
+        table, self.locks[seq.id] = self._ensure_radix().admit(seq.prompt_ids)
+        return table
 
     def fork(self, seq, table, child):
         if self.prefix_cache: self.radix.lock(self.locks[seq.id]); self.locks[child.id] = self.locks[seq.id]
@@ -214,10 +221,8 @@ def stepper_step(state):
     if state.step >= len(state.requests): return state
     s = copy.deepcopy(state)
     tokens, a, r = s.requests[s.step], s.allocator, s.radix
-    blocks, n, node = r.match_prefix(tokens)
-    n = min(n, len(tokens) - 1)  # as in the engine: a full hit recomputes the last token
-    r.lock(node)
-    t = BlockTable(a, blocks[:-(-n // a.block_size)] if n else [], n)
+    t, node = r.admit(tokens)  # as in the engine: a full hit recomputes the last token
+    n = t.num_tokens
     cached_before, own = r.num_blocks, set(t.blocks)
     entry = dict(request=s.step, tokens=len(tokens), cached=n, computed=len(tokens) - n)
     try:

@@ -21,7 +21,9 @@ def test_chat_interactive_keeps_history():
 
 @pytest.mark.parametrize("args,word", [(["generate", ""], "empty"), (["generate", "hi", "--kv", "nope"], "kv="),
                                        (["generate", "hi", "--temperature", "-2"], "temperature"),
-                                       (["generate", "hi", "--model", "/no/such/dir"], "does not exist")])
+                                       (["generate", "hi", "--model", "/no/such/dir"], "does not exist"),
+                                       (["generate", "hi", "--kernels", "step", "--attention", "torch"], "attention='cpu'"),
+                                       (["generate", "hi", "--max-num-seqs", "0"], "max_num_seqs=0")])
 def test_errors_are_one_line_exit_2(args, word):
     r = run(*args)
     assert r.returncode == 2 and word in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
@@ -35,3 +37,16 @@ def test_bench_prints_speed_floor_and_where_the_step_goes():
     assert set(parts) == {"layer matvecs", "LM head matvec", "RMSNorm", "RoPE + KV write + attention", "SiLU × up", "the rest"}
     # every kind of work was seen by its hooks, and none was counted twice (the rest, by difference, is not negative)
     assert all(float(v) > 0 for v in parts.values()), line
+
+def test_engine_flags_come_from_the_config():
+    "Every EngineConfig field is a flag; the limits reach the engine (repr(llm) shows the resolved config)."
+    from dataclasses import fields
+    from minfer.engine import EngineConfig
+    r = run("generate", "--help")
+    assert all("--" + f.name.replace("_", "-") in r.stdout for f in fields(EngineConfig)), r.stdout
+    r = run("bench", "--max-tokens", "4", "--block-size", "8", "--max-num-seqs", "3", "--max-num-batched-tokens", "32",
+            "--kv-cache-bytes", str(2**24), "--kernels", "cpu", "--no-chunked-prefill")
+    assert r.returncode == 0, r.stderr
+    for part in ("block_size=8", "max_num_seqs=3", "max_num_batched_tokens=32", f"kv_cache_bytes={2**24}",
+                 "kernels='cpu'", "chunked_prefill=False", "attention='cpu'"):
+        assert part in r.stdout, (part, r.stdout)

@@ -156,8 +156,9 @@ def test_llm_cpu_kernels_equal_naive(model_dir, model, tokenizer):
         assert o.token_ids == want or near_tie_at(model, tokenizer.encode(t), o.token_ids, want)
 
 def test_kernels_switch_defaults_and_errors(model_dir, monkeypatch, tmp_path):
-    # "auto" is chapter 05c's one-call step where it builds; with packed weights (which it cannot read), 05b's kernels
-    assert LLM(model_dir).kernels == "step" and LLM(model_dir, weights="packed").kernels == "cpu" and LLM(model_dir, kernels="torch").kernels == "torch"
+    # "auto" is chapter 05c's one-call step where it builds (over plain or packed weights); with kv='contiguous', 05b's
+    assert LLM(model_dir).kernels == "step" and LLM(model_dir, weights="packed").kernels == "step"
+    assert LLM(model_dir, kv="contiguous").kernels == "cpu" and LLM(model_dir, kernels="torch").kernels == "torch"
     assert type(LLM(model_dir, kernels="torch").engine.attn) is PagedAttention
     with pytest.raises(ValueError) as e: LLM(model_dir, kernels="cpu", dtype="float16")
     assert "\n" not in str(e.value) and "kernels='cpu'" in str(e.value) and "use kernels='torch'" in str(e.value)

@@ -112,7 +112,7 @@ def test_llm_step_equals_naive(model_dir, model, tokenizer):
     from minfer.naive import naive_generate
     from test_engine import TEXTS as ENGINE_TEXTS, near_tie_at
     llm = LLM(model_dir, kernels="step")
-    assert llm.kernels == "step" and llm.weights == "plain" and isinstance(llm.model, StepLlama) and type(llm.engine.attn) is CpuAttention
+    assert llm.kernels == "step" and llm.weights == "packed" and isinstance(llm.model, StepLlama) and type(llm.engine.attn) is CpuAttention
     texts, p = ENGINE_TEXTS + ENGINE_TEXTS[:2], SamplingParams(max_tokens=8, ignore_eos=True)
     llm.model.timings = clock = torch.zeros(5, dtype=torch.float64)
     outs = llm.generate(texts, p, raw=True)
@@ -124,10 +124,14 @@ def test_llm_step_equals_naive(model_dir, model, tokenizer):
         assert o.token_ids == want or near_tie_at(model, tokenizer.encode(t), o.token_ids, want)
 
 def test_step_switch_errors_leave_things_usable(model_dir):
-    for kw, words in [(dict(kernels="step", weights="packed"), "weights='plain'"), (dict(kernels="step", dtype="float16"), "kernels='step' needs")]:
+    for kw, words in [(dict(kernels="step", kv="contiguous"), "kv='paged'"), (dict(kernels="step", dtype="float16"), "kernels='step' needs"),
+                      (dict(kernels="step", attention="torch"), "attention='cpu'")]:
         with pytest.raises(ValueError) as e: LLM(model_dir, **kw)
         assert "\n" not in str(e.value) and words in str(e.value)
-    with pytest.raises(ValueError, match="plain"): fuse_decode_step(pack_weights(load_model(model_dir)))
+    model = load_model(model_dir)
+    down = model.layers[0].mlp.down_proj
+    down.weight = torch.nn.Parameter(down.weight.t().contiguous().t(), requires_grad=False)  # same values, column-major
+    with pytest.raises(ValueError, match="plain"): fuse_decode_step(model)
     llm = LLM(model_dir, kernels="step")
     llm.model.timings = torch.zeros(5)  # float32, not float64: refused before any pointer is used
     with pytest.raises(ValueError) as e: llm.generate("Hello", SamplingParams(max_tokens=3))

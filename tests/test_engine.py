@@ -12,7 +12,7 @@ from hypothesis import given, settings, HealthCheck, strategies as st
 from minfer.engine import LLMEngine, make_workload
 from minfer.paged import PagedKVCache
 from minfer.kvcache import cached_generate, ContiguousKVCache
-from minfer.sampling import Sequence, SamplingParams
+from minfer.sequence import Sequence, SamplingParams
 from minfer.llm import LLM
 from minfer.cpu_step import cpu_step_available
 
@@ -106,8 +106,8 @@ def test_forks_share_prompt_blocks(model, tokenizer):
     parent, forks = greedy(ids, 8, tokenizer), [greedy(ids, 8, tokenizer) for _ in range(3)]
     eng.add(parent, forks=forks)
     eng.step()  # prefill, then the forks start
-    shared = set(parent.table.blocks[:len(ids) // 16])
-    assert shared and all(shared <= set(f.table.blocks) for f in forks)
+    shared = set(parent.block_table.blocks[:len(ids) // 16])
+    assert shared and all(shared <= set(f.block_table.blocks) for f in forks)
     assert eng.cache.allocator.num_used < 4 * -(-(len(ids) + 1) // 16)
     run(eng)
     for s in (parent, *forks): assert_solo(model, s)
@@ -115,12 +115,12 @@ def test_forks_share_prompt_blocks(model, tokenizer):
 def test_llm_paged_switches_equal_naive(model_dir, model, tokenizer):
     from minfer.naive import naive_generate
     p = SamplingParams(max_tokens=8, ignore_eos=True)
-    # the default on a CPU with a compiler is kernels="step" on plain weights (chapter 05c); weights="packed" (oneDNN's
-    # layout, another summation order) runs chapter 05b's kernels
-    for kw in (dict(kv="paged"), dict(kv="paged", weights="packed"), dict(kv="paged", prefix_cache=True, block_size=4),
+    # the default on a CPU is weights="packed" (oneDNN's layout for products, another summation order, plus the plain
+    # matrices for chapter 05c's one-call decode step); weights="plain" keeps only the Hugging Face layout
+    for kw in (dict(kv="paged"), dict(kv="paged", weights="plain"), dict(kv="paged", prefix_cache=True, block_size=4),
                dict(kv="paged", max_num_batched_tokens=5), dict(kv="contiguous", weights="packed")):
         llm = LLM(model_dir, **kw)
-        assert llm.weights == kw.get("weights", "plain" if cpu_step_available() else "packed")
+        assert llm.weights == kw.get("weights", "packed")
         outs = llm.generate(TEXTS[:4], p, raw=True)
         for t, o in zip(TEXTS, outs):
             want = naive_generate(model, tokenizer.encode(t), 8)

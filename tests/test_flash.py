@@ -107,12 +107,9 @@ def test_bad_inputs_raise():
 
 def _generate(model, prompt_ids, n_new, attn_cls, block_size=4, blocks=(5, 2, 7, 1)):
     "Greedy decode of one sequence through a small paged cache (blocks out of order): one prefill step, then decodes."
-    from types import SimpleNamespace
-    from minfer.paged import build_batch_meta
-    c, dev = model.cfg, model.device
-    shape = (8, block_size, c.num_key_value_heads, c.head_dim)
-    cache = SimpleNamespace(k=[torch.zeros(shape, dtype=model.dtype, device=dev) for _ in range(c.num_hidden_layers)],
-                            v=[torch.zeros(shape, dtype=model.dtype, device=dev) for _ in range(c.num_hidden_layers)])
+    from minfer.paged import build_batch_meta, PagedKVCache
+    dev = model.device
+    cache = PagedKVCache(model.cfg, 8, block_size, model.dtype, dev)
     attn, new, done, out = attn_cls(cache), list(prompt_ids), 0, []
     for _ in range(n_new):
         attn.meta = build_batch_meta([(list(blocks), done, len(new))], block_size, device=dev)

@@ -2,7 +2,9 @@
 import pytest, torch
 from minfer.naive import naive_generate
 from minfer.kvcache import cached_generate, ContiguousKVCache
-from minfer.sampling import SamplingParams, Sequence, SequentialEngine, sample
+from minfer.sequence import SamplingParams, Sequence
+from minfer.sequential import SequentialEngine
+from minfer.sampling import sample
 from minfer.llm import LLM
 
 PROMPTS = ["The three primary colors are", "def add(a, b):", "Once upon a time, in a small village,", "Q: What is 7 times 6?\nA:"]
@@ -82,7 +84,7 @@ def test_metrics_present(llm):
     m = llm.generate("Hello", SamplingParams(max_tokens=8, ignore_eos=True))[0].metrics
     assert m["ttft"] > 0 and m["tpot"] > 0 and m["tokens_per_s"] > 0 and m["num_generated_tokens"] == 8
     from minfer.roofline import weight_bytes_per_step
-    assert weight_bytes_per_step(llm.config) < m["bytes_per_token"] < 1.2 * weight_bytes_per_step(llm.config)
+    assert weight_bytes_per_step(llm.model_config) < m["bytes_per_token"] < 1.2 * weight_bytes_per_step(llm.model_config)
 
 def test_sample_filters(model, tokenizer):
     ids = tokenizer.encode("My favourite fruit is")

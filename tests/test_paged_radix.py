@@ -85,7 +85,8 @@ def test_paged_attention_matches_contiguous_attention(lens, q_lens, decode_group
     g = torch.Generator().manual_seed(0)
     bs, H, Hq, D = 4, 2, 6, 8
     nblocks = sum(-(-n // bs) for n in lens) + 3  # spare blocks stay NaN; padding may point at them
-    cache = SimpleNamespace(k=[torch.full((nblocks, bs, H, D), float("nan"))], v=[torch.full((nblocks, bs, H, D), float("nan"))])
+    cache = PagedKVCache(SimpleNamespace(num_hidden_layers=1, num_key_value_heads=H, head_dim=D), nblocks, bs)
+    cache.k.fill_(float("nan")), cache.v.fill_(float("nan"))
     ids = torch.randperm(nblocks, generator=g).tolist() if layout == "shuffled" else list(range(nblocks))
     tables, seqs, ks, vs, qs = [], [], [], [], []
     for n, nq in zip(lens, q_lens):
@@ -198,10 +199,7 @@ class PagedRadixMachine(RuleBasedStateMachine):
     def new_sequence(self, tokens, use_cache):
         node = None
         if use_cache:
-            blocks, n, node = self.radix.match_prefix(tokens)
-            n = min(n, len(tokens) - 1)
-            self.radix.lock(node)
-            table = BlockTable(self.alloc, blocks[:-(-n // self.alloc.block_size)] if n else [], n)
+            table, node = self.radix.admit(tokens)  # the engine's admit path
         else:
             table = BlockTable(self.alloc)
         start = table.num_tokens
@@ -369,12 +367,14 @@ def assert_same_greedy(model, prompt, got, ref):
 
 @torch.inference_mode()
 def contiguous_sampled(model, prompt, params, seed, n):
-    "Independent reference for a sampled sequence: contiguous cache, one sequence, its own generator."
-    cache, g = ContiguousKVCache(model.cfg, len(prompt) + n), torch.Generator().manual_seed(seed)
+    """Independent reference for a sampled sequence: contiguous cache, one sequence, token k drawn with a generator
+    seeded by (seed, k) as chapter 02c specifies (seed * 1_000_003 + k, modulo 2**63)."""
+    cache = ContiguousKVCache(model.cfg, len(prompt) + n)
     tokens, out = list(prompt), []
-    for _ in range(n):
+    for k in range(n):
         logits = model(torch.tensor(tokens), torch.arange(cache.length, cache.length + len(tokens)), cache, logits_rows=[-1])
         cache.advance(len(tokens))
+        g = torch.Generator().manual_seed((seed * 1_000_003 + k) % 2**63)
         out.append(sample(logits[0], params, g)); tokens = out[-1:]
     return out
 
