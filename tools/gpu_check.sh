@@ -5,8 +5,10 @@
 #
 #   bash tools/gpu_check.sh        # results in $OUT (the device tool's folder), else ./gpu-results
 #
-# The one test that needs the real model (Triton vs PyTorch greedy tokens) runs only if data/models/ holds the
-# converted default model; it does not travel in one call (the GGUF is 94 MB), so without it that test is deselected.
+# tests/test_cuda_engine.py needs only the default model's tokenizer files (carry data/models/smollm2-135m-instruct/
+# tokenizer.json and tokenizer_config.json). The one test that needs the real model (Triton vs PyTorch greedy tokens)
+# runs only if data/models/ holds the converted default model; it does not travel in one call (the GGUF is 94 MB), so
+# without it that test is deselected.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -20,7 +22,7 @@ status=0
 
 select=()
 [ -f data/models/smollm2-135m-instruct/model.safetensors ] || select=(-k "not greedy_tokens")
-"$py" -m pytest -q -p no:cacheprovider tests/test_flash.py "${select[@]}" 2>&1 | tee "$out/test_flash.txt" || status=1
+"$py" -m pytest -q -p no:cacheprovider tests/test_flash.py tests/test_cuda_engine.py "${select[@]}" 2>&1 | tee "$out/test_flash.txt" || status=1
 
 for f in kernels/*.py; do
     echo "== $f"
