@@ -31,9 +31,10 @@ def _wants_prompt_rows(seq):
 class ModelRunner:
     """One step's work: inputs -> forward -> sample. `run(batch, copies)` makes the copy-on-write block copies, packs
     the scheduled tokens into one varlen batch, runs the model once and samples; -> [(sequence, token, logprobs)]."""
-    def __init__(self, model, cache, attention):
+    def __init__(self, model, cache, attention, projection_bits=None):
+        "projection_bits: the weight format's bits per projection weight, for the ledger (None: the model's dtype)."
         self.model, self.cache, self.attn = model, cache, attention
-        self.ledger = Ledger(model.cfg, str(model.dtype).removeprefix("torch."))
+        self.ledger = Ledger(model.cfg, str(model.dtype).removeprefix("torch."), projection_bits=projection_bits)
 
     def run(self, batch, copies):
         self.cache.copy_blocks(copies)
@@ -77,7 +78,7 @@ class ModelRunner:
     def account(self, batch, n_logits):
         "Ledger for the step, and each sequence's share: weights split evenly over the batch, plus its own KV traffic."
         self.ledger.record([n for _, n in batch], [s.num_computed for s, _ in batch], logits_rows=n_logits)
-        w = weight_bytes_per_step(self.model.cfg, self.ledger.dtype) / len(batch)
+        w = weight_bytes_per_step(self.model.cfg, self.ledger.dtype, self.ledger.projection_bits) / len(batch)
         kvb = kv_bytes_per_token(self.model.cfg, self.ledger.dtype)
         for s, n in batch: s.bytes_moved += w + (s.num_computed + n) * kvb
 
@@ -96,11 +97,11 @@ def attention_class(name):
 class LLMEngine:
     "Continuous batching over a paged KV pool: `add` sequences, call `step()` until `has_unfinished()` is False."
     def __init__(self, model, *, block_size=16, kv_cache_bytes=2**30, max_num_seqs=64, max_num_batched_tokens=256,
-                 prefix_cache=False, chunked_prefill=True, attention="torch"):
+                 prefix_cache=False, chunked_prefill=True, attention="torch", projection_bits=None):
         self.model, self.cfg = model, model.cfg
         self.cache = PagedKVCache.from_budget(model.cfg, kv_cache_bytes, block_size, model.dtype, model.device)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, prefix_cache, chunked_prefill)
-        self.runner = ModelRunner(model, self.cache, attention_class(attention)(self.cache))
+        self.runner = ModelRunner(model, self.cache, attention_class(attention)(self.cache), projection_bits)
         self.history = []  # per step: (time, [(seq id, n, "prefill" | "decode")], blocks in use)
         self.t0 = time.perf_counter()
 
@@ -269,11 +270,12 @@ def build_model(config):
 
 def build_engine(config, model):
     "The engine a resolved `config` asks for: `LLMEngine` over a paged pool, or chapter 02d's `SequentialEngine`."
-    if config.kv != "paged": return SequentialEngine(model, kv=config.kv)
+    projection_bits = weight_format(config.weights).bits(config.dtype)
+    if config.kv != "paged": return SequentialEngine(model, kv=config.kv, projection_bits=projection_bits)
     return LLMEngine(model, block_size=config.block_size, kv_cache_bytes=config.kv_cache_bytes,
                      max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                      prefix_cache=config.prefix_cache, chunked_prefill=config.chunked_prefill,
-                     attention=config.attention)
+                     attention=config.attention, projection_bits=projection_bits)
 
 # %% ../nbs/08b_engine.ipynb #e634b784
 def make_workload(tokenizer, n, *, seed=0, arrival="all", rate=4.0, prompt_median=64, prompt_max=512, out_min=16, out_max=128, text=None):

@@ -26,11 +26,14 @@ def param_counts(cfg):
     return dict(embedding=cfg.vocab_size * h, attention=L * attn, mlp=L * 3 * h * cfg.intermediate_size,
                 norms=(2 * L + 1) * h, lm_head=0 if cfg.tie_word_embeddings else cfg.vocab_size * h)
 
-def weight_bytes_per_step(cfg, dtype="float32"):
-    "Weight bytes one forward step reads: every matrix once, the embedding only as the rows looked up (negligible)."
+def weight_bytes_per_step(cfg, dtype="float32", projection_bits=None):
+    """Weight bytes one forward step reads: every matrix once, the embedding only as the rows looked up (negligible).
+    `projection_bits`: bits per weight of the layers' projections when their format differs from `dtype` (chapter 06's
+    4-bit weights with their scales and zeros); the norms and the LM head stay in `dtype`."""
     p = param_counts(cfg)
     lm_head = cfg.vocab_size * cfg.hidden_size  # tied or not, the LM head matrix is read in full
-    return (p["attention"] + p["mlp"] + p["norms"] + lm_head) * DTYPE_BYTES[dtype]
+    projection_bytes = DTYPE_BYTES[dtype] if projection_bits is None else projection_bits / 8
+    return (p["attention"] + p["mlp"]) * projection_bytes + (p["norms"] + lm_head) * DTYPE_BYTES[dtype]
 
 def kv_bytes_per_token(cfg, kv_dtype="float32"):
     "KV-cache bytes one token occupies across all layers: 2 (K and V) x layers x KV heads x head_dim x bytes."
@@ -233,13 +236,14 @@ class Ledger:
     steps: int = 0
     tokens_in: int = 0
     tokens_out: int = 0
+    projection_bits: float = None  # the weight format's bits per projection weight, if not the dtype's (chapter 06)
 
     def record(self, new_tokens, cached_context, logits_rows=None, cached=True):
         "One forward step. new_tokens[i], cached_context[i]: tokens computed / tokens read from cache for sequence i."
         cfg, kvb = self.cfg, kv_bytes_per_token(self.cfg, self.kv_dtype or self.dtype)
         n, rows = sum(new_tokens), len(new_tokens) if logits_rows is None else logits_rows
         self.steps += 1; self.tokens_in += n
-        self.weight_bytes += weight_bytes_per_step(cfg, self.dtype)
+        self.weight_bytes += weight_bytes_per_step(cfg, self.dtype, self.projection_bits)
         self.kv_read_bytes += sum(cached_context) * kvb
         self.kv_write_bytes += n * kvb if cached else 0
         # residual stream in and out of each layer, roughly 8 hidden-sized reads/writes per layer per token

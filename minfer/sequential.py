@@ -19,9 +19,10 @@ from .sampling import sample_next, add_prompt_logprobs
 # %% ../nbs/02d_sequential.ipynb #5d687674
 class SequentialEngine:
     "Serve sequences one at a time: kv='none' recomputes everything (ch. 01), kv='contiguous' keeps a cache (ch. 02a)."
-    def __init__(self, model, kv="contiguous"):
+    def __init__(self, model, kv="contiguous", projection_bits=None):
+        "projection_bits: the weight format's bits per projection weight, for the ledger (None: the model's dtype)."
         self.model, self.kv, self.waiting, self.current, self.cache = model, kv, [], None, None
-        self.ledger = Ledger(model.cfg, str(model.dtype).removeprefix("torch."))
+        self.ledger = Ledger(model.cfg, str(model.dtype).removeprefix("torch."), projection_bits=projection_bits)
 
     def add(self, seq, forks=()):
         "Queue a sequence; `forks` (further samples of the same prompt) simply run after it, each on its own."
@@ -61,6 +62,6 @@ class SequentialEngine:
         if self.current is None: return
         seq = self.current
         seq.status, seq.metrics.first_scheduled_time = "running", time.perf_counter()
-        seq.ledger = Ledger(self.model.cfg, self.ledger.dtype)
+        seq.ledger = Ledger(self.model.cfg, self.ledger.dtype, projection_bits=self.ledger.projection_bits)
         if self.kv == "contiguous":
             self.cache = ContiguousKVCache(self.model.cfg, seq.max_len, self.model.dtype, self.model.device)
