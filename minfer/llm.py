@@ -313,7 +313,15 @@ def main(argv=None):
     c = sub.add_parser("chat", help="chat with the model (interactive unless --message)"); c.add_argument("--message", default=None); _add_common(c)
     b = sub.add_parser("bench", help="decode speed next to the bandwidth floor, and where a step's time goes"); b.add_argument("--prompt", default="Once upon a time"); _add_common(b)
     b.set_defaults(max_tokens=128)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with a chat page at / (chapter 12)")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # fastapi's import costs ~0.6 s: only for the command that needs it
+        from minfer.serve import add_serve_args
+        add_serve_args(s)
     a = ap.parse_args(argv)
+    if a.cmd == "serve":
+        from minfer.serve import serve_main
+        return serve_main(a)  # its own one-line errors and exit status
     try:
         {"generate": _cmd_generate, "chat": _cmd_chat, "bench": _cmd_bench}[a.cmd](a)
     except (ValueError, FileNotFoundError) as e:

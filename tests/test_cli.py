@@ -23,7 +23,8 @@ def test_chat_interactive_keeps_history():
                                        (["generate", "hi", "--temperature", "-2"], "temperature"),
                                        (["generate", "hi", "--model", "/no/such/dir"], "does not exist"),
                                        (["generate", "hi", "--kernels", "step", "--attention", "torch"], "attention='cpu'"),
-                                       (["generate", "hi", "--max-num-seqs", "0"], "max_num_seqs=0")])
+                                       (["generate", "hi", "--max-num-seqs", "0"], "max_num_seqs=0"),
+                                       (["serve", "--kv", "nope"], "kv=")])
 def test_errors_are_one_line_exit_2(args, word):
     r = run(*args)
     assert r.returncode == 2 and word in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
