@@ -170,3 +170,23 @@ def test_random_arrivals_and_aborts(model, tokenizer, data):
         if s.id in aborted: assert s.status == "aborted"; continue
         assert len(s.output_ids) == s.params.max_tokens
         assert_solo(model, s)
+
+@pytest.mark.parametrize("switches", [dict(), dict(kernels="cpu", attention="torch"), dict(kernels="torch", weights="plain"),
+                                      dict(dtype="bfloat16"), dict(kv="contiguous", kernels="cpu")],
+                         ids=["default", "cpu-kernels-torch-attention", "torch-plain", "bf16", "contiguous"])
+def test_what_repr_says_is_what_runs(model_dir, switches):
+    "Every resolved switch is visible in the objects that run: no switch is silently overridden (issue 13)."
+    from minfer.engine import ATTENTION_BACKENDS
+    from minfer.model import PackedLinear
+    from minfer.cpu_kernels import FusedDecoderLayer
+    from minfer.cpu_step import StepLlama
+    llm = LLM(model_dir, **switches)
+    c = llm.config
+    assert all(repr(getattr(c, k)) in repr(llm) for k in ("kv", "dtype", "weights", "kernels", "attention"))
+    assert all(getattr(c, k) == v for k, v in switches.items())
+    assert str(llm.model.dtype) == f"torch.{c.dtype}"
+    assert isinstance(llm.model.layers[0].mlp.down_proj, PackedLinear) == (c.weights == "packed")
+    assert isinstance(llm.model, StepLlama) == (c.kernels == "step")
+    assert isinstance(llm.model.layers[0], FusedDecoderLayer) == (c.kernels in ("cpu", "step"))
+    if c.kv == "paged": assert type(llm.engine.attn).__name__ == ATTENTION_BACKENDS[c.attention].rsplit(".", 1)[1]
+    assert llm.generate("The capital of France is", SamplingParams(max_tokens=3, ignore_eos=True), raw=True)[0].token_ids
