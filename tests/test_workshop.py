@@ -1,8 +1,8 @@
 """Workshop mode: every exercise's check fails on the student stub and passes with the solution restored.
 
 For each exercise, a fresh IPython shell (execnb's, as nbdev-test uses) runs only the cells the exercise and its check
-need (`workshop.setup_cells`: cells with imports, plus the latest cell defining each name they read), then the stub
-and the check (must raise), then the solution and the check (must pass).
+need (`workshop.setup_cells`: cells with imports, the latest cell defining each name they read and the cells that
+attach methods to it), then the stub and the check (must raise), then the solution and the check (must pass).
 """
 import ast, os, sys
 from pathlib import Path
@@ -52,6 +52,15 @@ def test_broken_convention_is_reported(tmp_path):
     nbformat.write(nb, tmp_path / "bad.ipynb")
     with pytest.raises(ValueError, match="followed by a code cell that checks it"):
         workshop.find_exercises(tmp_path / "bad.ipynb")
+
+
+def test_setup_keeps_cells_that_attach_methods():
+    "A method attached after its class (`Scheduler.schedule = schedule`, as 08a does) is part of the class's setup."
+    cells = ["import math", "class A:\n    pass", "def go(self): return 1\n\nA.go = go", "unrelated = 3",
+             "#| exercise\ndef f(a): return a.go()", "assert f(A()) == 1"]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    ex = workshop.Exercise(Path("x.ipynb"), cell=4, check=5, functions=["f"], hint=None)
+    assert workshop.setup_cells(nb, ex) == [0, 1, 2]
 
 
 def test_workshop_writes_student_copies(tmp_path):

@@ -12,7 +12,8 @@ Steps:
     is executed.
  2. API pages: one per `minfer` module, Sphinx autodoc over its `__all__`; each name links back to the notebook cell
     that exports it (found through the `# %% ../nbs/X.ipynb #cellid` markers nbdev writes into the modules).
- 3. the instructor guide, generated from the notebooks (chapters, exercises, GPU parts) and tools/chapter_times.json.
+ 3. the instructor guide, generated from the notebooks (chapters, exercises, GPU parts, suggested workshop plans) and
+    tools/chapter_times.json.
  4. Sphinx (myst-nb, sphinx-book-theme) with warnings as errors and nitpicky references, then a copy into docs/.
 """
 from __future__ import annotations
@@ -282,10 +283,61 @@ def api_pages(symbols, titles):
 def _fmt_s(s): return f"{s:.0f} s" if s < 90 else f"{s/60:.1f} min"
 
 
+# Suggested workshop plans: (name, what it assumes, [(minutes, chapter number prefixes, what the block does)]).
+# Chapters are named by their number (`02a`), so a plan lists exactly the chapters, exercises and run times there are.
+WORKSHOP_PLANS = [
+    ("Half day", "Laptops without a GPU; the core path from a model folder to a batching engine.", [
+        (30, ["00a", "00b"], "what a model is and why decode is memory-bound: bytes per token, this machine's roofline"),
+        (40, ["01", "02a"], "recompute against cache: the naive loop, then the KV cache; compare the two time-per-token "
+                            "curves"),
+        (15, [], "break"),
+        (40, ["03", "04"], "paging and sharing: block tables, then the radix prefix cache"),
+        (45, ["08a", "08b"], "continuous batching: the scheduler's budget, then the engine's static-vs-continuous "
+                             "measurement (show the stored outputs where laptops are slow)"),
+        (20, ["11"], "everything as switches: `LLM`, `minfer generate` and `minfer bench` with a switch off and on"),
+    ]),
+    ("Full day", "The half day's path plus sampling, FlashAttention, the CPU kernels and the server; one GPU in the "
+                 "room for chapter 05's measured part, if there is one.", [
+        (30, ["00a", "00b"], "what a model is and why decode is memory-bound"),
+        (40, ["01", "02a"], "recompute against cache"),
+        (30, ["02b", "02c", "02d"], "sampling, the `Sequence` and a first engine"),
+        (15, [], "break"),
+        (40, ["03", "04"], "paging and sharing"),
+        (50, ["05"], "FlashAttention: the online softmax in PyTorch, then the Triton kernels (interpreted on a CPU: "
+                     "slow, keep shapes small; compiled and measured on a GPU)"),
+        (45, [], "lunch"),
+        (50, ["05b", "05c"], "the CPU's answer: C++ kernels, a matvec at the memory's pace, one call per decode step"),
+        (45, ["08a", "08b"], "continuous batching: scheduler and engine"),
+        (15, [], "break"),
+        (40, ["11", "12"], "the API, the CLI and the HTTP server; students benchmark their own machine"),
+    ]),
+]
+
+
+def workshop_plans(chapters):
+    "Markdown for WORKSHOP_PLANS; `chapters`: number prefix -> (title, file name, exercise names, run time text)."
+    out = []
+    for name, assumes, blocks in WORKSHOP_PLANS:
+        hours = sum(m for m, _, _ in blocks) / 60
+        lines = [f"### {name} (about {hours:.1f} hours)", "", f"{assumes} Minutes are teaching time; run times are the "
+                 "notebooks' own, under `nbdev-test`.", ""]
+        for minutes, numbers, what in blocks:
+            have = [chapters[n] for n in numbers if n in chapters]
+            if numbers and not have: continue  # a planned chapter not written yet
+            links = ", ".join(f"[{title}]({file})" for title, file, _, _ in have) or what.capitalize()
+            line = f"- **{minutes} min** · {links}" + (f": {what}." if have else ".")
+            exercises = [f"`{e}`" for _, _, exs, _ in have for e in exs]
+            if exercises: line += " Exercises: " + ", ".join(exercises) + "."
+            if have: line += " Runs in: " + "; ".join(run for _, _, _, run in have) + "."
+            lines.append(line)
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
+
+
 def instructor_guide(titles):
     times = json.loads(TIMES.read_text()) if TIMES.exists() else {"chapters": {}}
     import nbformat
-    rows, details, n_ex = [], [], 0
+    rows, details, n_ex, chapters = [], [], 0, {}
     for p in notebooks():
         if p.stem == "index": continue
         nb = nbformat.read(p, as_version=4)
@@ -308,6 +360,8 @@ def instructor_guide(titles):
         ex_cell = "<br>".join(f"`{e.signatures[0]}`" for e in exs) or "—"
         gpu_cell = ("yes: " + "; ".join(gpu)) if gpu else "no"
         rows.append(f"| [{title}]({p.name}) | {chapter_summary(nb) or '—'} | {ex_cell} | {run} | {gpu_cell} |")
+        chapters[p.stem.split("_")[0]] = (title, p.name, [f for e in exs for f in e.functions],
+                                          _fmt_s(t["seconds"]) if t else "not measured yet")
         if exs:
             items = []
             for e in exs:
@@ -343,6 +397,14 @@ students reading and running cell by cell need far longer. Re-measure with `pyth
 | chapter | what it teaches | exercises | runs in | needs a GPU |
 | --- | --- | --- | --- | --- |
 {chr(10).join(rows)}
+
+## Suggested workshop plans
+
+Two plans built from the chapters above; each block names its chapters, the exercises students write in it and how
+long its notebooks take to run (the table above says which times predate the current version). Put the exercises
+first: students who finish early read on in the chapter.
+
+{workshop_plans(chapters)}
 
 {"## Exercises" if details else ""}
 

@@ -196,10 +196,32 @@ def names(source: str):
     """(names the cell defines at top level, names it reads from the notebook's namespace, whether it imports).
     A name counts as read if it is loaded before the cell assigns it, or used inside a function, class or
     comprehension of the cell without being defined by the cell."""
+    defs, uses, imports, _ = _names(source)
+    return defs, uses, imports
+
+
+def _attribute_bases(tree):
+    "Names whose attributes the cell's top-level statements assign: `Scheduler.schedule = schedule` -> {'Scheduler'}."
+    out = set()
+    for stmt in tree.body:
+        if isinstance(stmt, ast.Assign): targets = stmt.targets
+        elif isinstance(stmt, (ast.AugAssign, ast.AnnAssign)): targets = [stmt.target]
+        else: continue
+        for t in targets:
+            for x in ast.walk(t):
+                if isinstance(x, ast.Attribute) and isinstance(x.ctx, ast.Store):
+                    base = x.value
+                    while isinstance(base, ast.Attribute): base = base.value
+                    if isinstance(base, ast.Name): out.add(base.id)
+    return out
+
+
+def _names(source: str):
+    "names() plus the names whose attributes the cell sets (a method attached to a class after its definition)."
     import symtable
     src = _python(source)
     try: tree, top = ast.parse(src), symtable.symtable(src, "<cell>", "exec")
-    except SyntaxError: return set(), set(), False
+    except SyntaxError: return set(), set(), False, set()
     defs = {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported() or s.is_namespace()}
     order = _Order(); order.visit(tree)
     uses = {n for n, p in order.loads.items() if n not in order.stores or p < order.stores[n]}
@@ -208,12 +230,13 @@ def names(source: str):
         t = stack.pop(); stack += t.get_children()
         inner |= {s.get_name() for s in t.get_symbols() if s.is_global()}
     imports = any(isinstance(n, (ast.Import, ast.ImportFrom)) for n in tree.body)
-    return defs, uses | (inner - defs), imports
+    return defs, uses | (inner - defs), imports, _attribute_bases(tree)
 
 
 def setup_cells(nb, ex: Exercise) -> list[int]:
     """Indices of the code cells before exercise `ex` that it and its check need, in notebook order: every cell with a
-    top-level import, and (transitively, walking backwards) the latest cell defining each name they read.
+    top-level import, and (transitively, walking backwards) the latest cell defining each name they read, plus every
+    cell in between that sets an attribute of one (`Scheduler.schedule = schedule`: methods attached after the class).
     Cells flagged notest/gpu/slow and nbdev's export call are never run."""
     _, need, _ = names(nb.cells[ex.cell].source)
     need |= names(nb.cells[ex.check].source)[1]
@@ -221,8 +244,8 @@ def setup_cells(nb, ex: Exercise) -> list[int]:
     for i in range(ex.cell - 1, -1, -1):
         c = nb.cells[i]
         if c.cell_type != "code" or _TEST_FLAGS.search(c.source) or "nbdev_export()" in c.source: continue
-        defs, uses, imports = names(c.source)
-        if imports or defs & need:
+        defs, uses, imports, extends = _names(c.source)
+        if imports or defs & need or extends & need:
             keep.append(i)
             need = (need - defs) | uses
     return keep[::-1]
