@@ -72,9 +72,12 @@ def logprob_entries(logits, tokens, k):
     """One dict token id -> log-probability per row of `logits` [R, vocab]: the actual `tokens[r]` first, then the
     k most likely tokens of that row (vLLM's `logprobs=k` entry)."""
     lp = torch.log_softmax(logits.float(), -1)
-    top = lp.topk(k, -1).indices.tolist() if k else [[] for _ in tokens]
     actual = lp.gather(-1, torch.as_tensor(tokens, device=lp.device).view(-1, 1))[:, 0].tolist()
-    return [{t: a, **{i: float(lp[r, i]) for i in top[r] if i != t}} for r, (t, a) in enumerate(zip(tokens, actual))]
+    if not k: return [{t: a} for t, a in zip(tokens, actual)]
+    top = lp.topk(k, -1)
+    ids, values = top.indices.tolist(), top.values.tolist()
+    return [{t: a, **{i: v for i, v in zip(row_ids, row_values) if i != t}}
+            for t, a, row_ids, row_values in zip(tokens, actual, ids, values)]
 
 def sample_next(seq, logits):
     "-> (the next token of `seq` from its [vocab] logits row, its logprobs entry or None), drawn with its own seed."
