@@ -148,8 +148,6 @@ class PagedKVCache:
     Everything that touches the pool's memory goes through three methods: `store` writes new tokens' keys and values
     (where chapter 07 quantizes), `read_blocks` / `write_blocks` move whole blocks (copy-on-write here, chapter 10's
     transfer between processes). `tensors` names every per-block tensor (chapter 07 adds scales), so they move too."""
-    kv_dtype = "auto"  # the keys and values are stored in the model's dtype
-
     def __init__(self, cfg, num_blocks, block_size=16, dtype=torch.float32, device="cpu"):
         shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.k, self.v = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
