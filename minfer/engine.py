@@ -197,16 +197,21 @@ class EngineConfig:
         self.check_values()
         model = str(check_model_folder(default_model_dir() if self.model is None else self.model))
         device = self.device if self.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+        stored = [f.name for f in WEIGHT_FORMATS.values() if f.detect(model)]  # a folder saved in a format of its own
+        preferred = weight_format(stored[0]).dtype if stored else None
+        dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if device == "cuda" else preferred or "float32")
+        if stored and self.weights not in ("auto", *stored):
+            raise ValueError(f"{model} holds {stored[0]} weights; use weights={stored[0]!r} (or 'auto'), "
+                             f"not {self.weights!r}")
         weights = self.weights
         if weights == "auto":
-            stored = [f.name for f in WEIGHT_FORMATS.values() if f.detect(model)]
             packs = weight_format("packed").refuses(dtype, device) is None
             weights = stored[0] if stored else "packed" if packs else "plain"
         kernels = self.kernels
         if kernels == "auto":
             fused = "cpu" if can_fuse(dtype, device) else "torch"
-            kernels = "step" if self.kv == "paged" and can_step(dtype, device) else fused
+            steps = self.kv == "paged" and weight_format(weights).plain_weights and can_step(dtype, device)
+            kernels = "step" if steps else fused
         attention = self.attention
         if attention == "auto":
             own = "cpu" if kernels in ("cpu", "step") else "triton" if device == "cuda" else "torch"  # the kernels' own
@@ -236,6 +241,9 @@ CONFIG_RULES = [
     (lambda c: c.kernels == "cpu" and not can_fuse(c.dtype, c.device),
      lambda c: f"kernels='cpu' needs dtype 'float32' or 'bfloat16' on device='cpu' and a C++ compiler "
                f"(got {c.dtype!r} on {c.device!r}{_no_compiler()}); use kernels='torch'"),
+    (lambda c: c.kernels == "step" and not weight_format(c.weights).plain_weights,
+     lambda c: f"kernels='step' reads plain weight matrices, which weights={c.weights!r} does not keep; "
+               "use kernels='cpu' (or 'auto')"),
     (lambda c: c.kernels == "step" and c.kv != "paged",
      lambda c: f"kernels='step' runs decode steps over the paged KV pool (got kv={c.kv!r}); "
                "use kv='paged', or kernels='cpu'"),

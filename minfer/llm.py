@@ -14,7 +14,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
-from .model import ModelConfig, Tokenizer
+from .model import ModelConfig, Tokenizer, check_model_folder
+from .awq import quantize_folder  # registers chapter 06's `awq-int4` weight format too
 from .sequence import SamplingParams, Sequence
 from .engine import EngineConfig, build_model, build_engine
 from .cpu_step import StepLlama
@@ -305,6 +306,11 @@ def _cmd_bench(a):
     parts = decode_breakdown(llm, a.prompt, a.max_tokens)
     print("where a step goes (ms/token): " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()))
 
+def _cmd_quantize(a):
+    out = quantize_folder(check_model_folder(a.src), a.dst, method=a.method, group_size=a.group_size,
+                          log=lambda line: print(line, file=sys.stderr))
+    print(f"wrote {out}: load it with LLM({str(out)!r}) or minfer generate --model {out}")
+
 def main(argv=None):
     "The `minfer` command line."
     ap = argparse.ArgumentParser(prog="minfer", description="minfer: a small, readable LLM inference engine")
@@ -313,6 +319,11 @@ def main(argv=None):
     c = sub.add_parser("chat", help="chat with the model (interactive unless --message)"); c.add_argument("--message", default=None); _add_common(c)
     b = sub.add_parser("bench", help="decode speed next to the bandwidth floor, and where a step's time goes"); b.add_argument("--prompt", default="Once upon a time"); _add_common(b)
     b.set_defaults(max_tokens=128)
+    q = sub.add_parser("quantize", help="write an AWQ (or round-to-nearest) int4 copy of a model folder (chapter 06)")
+    q.add_argument("src", help="Hugging Face model folder to quantize")
+    q.add_argument("dst", help="folder to write, in AutoAWQ's GEMM format")
+    q.add_argument("--method", default="awq", choices=("awq", "rtn"), help="AWQ's scale search, or plain rounding")
+    q.add_argument("--group-size", type=int, default=64, help="inputs per scale and zero point (576 = 9 x 64)")
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with a chat page at / (chapter 12)")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:  # fastapi's import costs ~0.6 s: only for the command that needs it
@@ -323,7 +334,7 @@ def main(argv=None):
         from minfer.serve import serve_main
         return serve_main(a)  # its own one-line errors and exit status
     try:
-        {"generate": _cmd_generate, "chat": _cmd_chat, "bench": _cmd_bench}[a.cmd](a)
+        {"generate": _cmd_generate, "chat": _cmd_chat, "bench": _cmd_bench, "quantize": _cmd_quantize}[a.cmd](a)
     except (ValueError, FileNotFoundError) as e:
         print(f"minfer: error: {e}", file=sys.stderr)
         return 2

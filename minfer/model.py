@@ -374,12 +374,15 @@ def pack_weights(model):
 class WeightFormat:
     """One way to hold a model's projection weights. `load(folder, dtype, device)` -> `Llama`; `bits(dtype)`: bits a
     decode step streams per projection weight (the ledger's count); `refuses(dtype, device)`: why it cannot run there
-    (one line), or None; `detect(folder)`: whether a folder is stored in this format (so `weights="auto"` picks it)."""
+    (one line), or None; `detect(folder)`: whether a folder is stored in this format (so `weights="auto"` picks it);
+    `plain_weights`: whether the model keeps plain [out, in] matrices in its dtype (05c's one-call step reads them)."""
     name: str
     load: Callable
     bits: Callable
     refuses: Callable = lambda dtype, device: None
     detect: Callable = lambda folder: False
+    plain_weights: bool = True
+    dtype: str | None = None  # the dtype `dtype="auto"` picks for it, where it has one that runs fastest
     about: str = ""
 
 WEIGHT_FORMATS = {}
