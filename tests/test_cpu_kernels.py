@@ -99,7 +99,11 @@ def test_fused_model_bf16_matches_unfused(model_dir, tokenizer, rows):
     with torch.inference_mode():
         a, b = (m(torch.tensor(ids), torch.arange(len(ids)), NoCache()) for m in (plain, fused))
     if rows > FUSED_MAX_ROWS: assert torch.equal(a, b)  # PyTorch's own ops: bit for bit
-    else: assert (a - b).abs().max() <= 0.25 and torch.equal(a.argmax(-1), b.argmax(-1))
+    else:
+        # a few bf16 roundings of the largest logit: written on an AVX2 EPYC (<= 0.25); on an AVX-512 Xeon PyTorch's bf16
+        # ops round some intermediates differently (measured 0.47 at 16 rows, largest logit 30.75, i.e. 2 ulps)
+        tol = 4 * torch.finfo(torch.bfloat16).eps * a.abs().max()
+        assert (a - b).abs().max() <= tol and torch.equal(a.argmax(-1), b.argmax(-1))
 
 def test_fuse_refuses_what_it_cannot_run(model_dir):
     with pytest.raises(ValueError, match="float32 or bfloat16"): fuse_cpu_ops(load_model(model_dir, "float16"))
