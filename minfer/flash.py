@@ -242,7 +242,7 @@ from .paged import PagedAttention
 
 class TritonAttention(PagedAttention):
     "PagedAttention with the Triton kernels: split-KV decode when every sequence has one new token, else prefill/extend."
-    # on a CPU only in Triton's interpreter (TRITON_INTERPRET=1: tests, small shapes); never bf16 there (computed wrongly)
+    # on a CPU only in Triton's interpreter (TRITON_INTERPRET=1: tests, small shapes); never bf16 there (wrong results)
     devices, dtypes = ("cuda", "cpu"), ("float32", "bfloat16", "float16")
     def attention(self, q, k_cache, v_cache, meta):
         if meta.max_seqlen_q == 1 and q.shape[0] == meta.seq_lens.shape[0]:

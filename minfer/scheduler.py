@@ -155,7 +155,8 @@ def _start_forks(self, seq):
     for f in forks:
         f.block_table, f.num_computed, f.status = seq.block_table.fork(), seq.num_computed, "running"
         f.metrics.first_scheduled_time, f.bytes_moved = seq.metrics.first_scheduled_time, seq.bytes_moved
-        if f.prompt_logprobs is not None: f.prompt_logprobs = list(seq.prompt_logprobs)  # the same prompt, computed once
+        if f.prompt_logprobs is not None:
+            f.prompt_logprobs = list(seq.prompt_logprobs)  # the same prompt, computed once
         if seq.radix_node is not None:
             self.radix.lock(seq.radix_node)
             f.radix_node = seq.radix_node
