@@ -273,7 +273,7 @@ class FusedRMSNorm(RMSNorm):
     "`RMSNorm` in one kernel call; `forward(x, residual)` first adds `residual` into `x`, in place."
     def forward(self, x, residual=None):
         if x.shape[0] > FUSED_MAX_ROWS: return super().forward(x if residual is None else x.add_(residual))
-        return rms_norm(x, self.weight, self.eps, residual)
+        return rms_norm(x, self.weight.to(x.dtype), self.eps, residual)  # bf16 weights, fp32 wide steps: see 00a
 
 class FusedAttention(Attention):
     "`Attention` with RoPE turned in place on the q and k heads by one kernel call."
@@ -320,8 +320,10 @@ class CpuAttention(PagedAttention):
     def __call__(self, layer, q, k, v):
         m, (k_pool, v_pool) = self.meta, (self.cache.k[layer], self.cache.v[layer])
         rows_ok = q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and k.stride(0) == v.stride(0) and q.stride(1) == k.stride(1) == v.stride(1) == q.shape[-1]
-        if m.max_seqlen_q != 1 or q.shape[0] != len(m.seq_lens) or not rows_ok or q.dtype != k_pool.dtype:
-            return super().__call__(layer, q, k, v)
+        decode = m.max_seqlen_q == 1 and q.shape[0] == len(m.seq_lens)
+        if decode and q.dtype != k_pool.dtype:  # fp32 activations over a bf16 pool (00a's `wide_dtype`): the kernel
+            return self(layer, *(t.to(k_pool.dtype) for t in (q, k, v))).to(q.dtype)  # takes one dtype
+        if not decode or not rows_ok or q.dtype != k_pool.dtype: return super().__call__(layer, q, k, v)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         _kernel("paged_decode", k_pool, v_pool, out)(
             q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), k_pool.data_ptr(), v_pool.data_ptr(),

@@ -206,7 +206,8 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
     def forward(self, x):
-        if x.dtype == torch.float32: return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
+        # fp32 activations: fp32 throughout (bf16 weights meet fp32 activations in packed models' wide steps, below)
+        if x.dtype == torch.float32: return F.rms_norm(x, x.shape[-1:], self.weight.float(), self.eps)
         # normalise in fp32 even for bf16 weights, as the reference implementation does
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
@@ -281,9 +282,13 @@ class Llama(nn.Module):
     @property
     def device(self): return self.embed_tokens.weight.device
 
+    # the activations' dtype in forwards of more than one token; None: the weights' (`pack_weights` sets fp32 for bf16)
+    wide_dtype = None
+
     def forward(self, tokens, positions, attention, logits_rows=None):
         "tokens, positions: [T]; attention(layer, q, k, v) -> [T, n_q, d]; returns logits [len(logits_rows) or T, vocab]."
         x = self.embed_tokens(tokens)
+        if self.wide_dtype is not None and len(tokens) > 1: x = x.to(self.wide_dtype)
         cos, sin = self.rope.tables(positions, x.dtype)
         for layer in self.layers: x = layer(x, cos, sin, attention)
         if logits_rows is not None: x = x[logits_rows]
@@ -340,7 +345,9 @@ class PackedLinear(nn.Module):
     own blocked fp32 layout: the same product as `F.linear`, streamed faster by oneDNN's CPU kernels. `weight` (the
     plain matrix, in the model's dtype) is kept: 05c's one-call decode step reads it. bf16 weights are widened to
     fp32 for the packed copy, so products of several rows never run PyTorch's bf16 GEMM, which is very slow on CPUs
-    without bf16 units; a single row (a lone decode token) reads the half-size bf16 weight instead."""
+    without bf16 units; a single row (a lone decode token) reads the half-size bf16 weight instead. A bf16 model's
+    forwards of several tokens run in fp32 from end to end (`Llama.wide_dtype`, set by `pack_weights`), so they
+    never convert between the two dtypes around each product."""
     def __init__(self, weight):
         super().__init__()
         self.out_features, self.in_features = weight.shape
@@ -358,7 +365,9 @@ def can_pack(dtype, device):
     return dtype in ("float32", "bfloat16") and str(device) == "cpu" and torch.backends.mkldnn.is_available()
 
 def pack_weights(model):
-    "Replace every projection and the LM head by a `PackedLinear`, in place (a tied LM head still shares its weight)."
+    """Replace every projection and the LM head by a `PackedLinear`, in place (a tied LM head still shares its weight).
+    A bf16 model then runs forwards of several tokens in fp32 activations (`wide_dtype`): its packed copies are fp32,
+    and on a CPU without bf16 units PyTorch's bf16 attention and conversions cost more than the fp32 arithmetic."""
     if not can_pack(model.dtype, model.device):
         raise ValueError(f"packed weights need float32 or bfloat16 on a CPU with oneDNN; this model is {model.dtype} "
                          f"on {model.device}")
@@ -367,6 +376,7 @@ def pack_weights(model):
         a.qkv_proj, a.o_proj = PackedLinear(a.qkv_proj.weight), PackedLinear(a.o_proj.weight)
         m.gate_up_proj, m.down_proj = PackedLinear(m.gate_up_proj.weight), PackedLinear(m.down_proj.weight)
     model.lm_head = PackedLinear(model.lm_head.weight)
+    if model.dtype == torch.bfloat16: model.wide_dtype = torch.float32
     return model
 
 # %% ../nbs/00a_model.ipynb #a0a0f002

@@ -243,14 +243,15 @@ class PagedAttention:
         prefill, decode = self.plan
         h, d = k_cache.shape[2:]
         k_flat, v_flat = k_cache.view(-1, h, d), v_cache.view(-1, h, d)
+        # keys and values are read in q's dtype (a bf16 pool under fp32 activations: chapter 00a's `wide_dtype`)
         def decode_group(q, slots, mask):  # q: [g, Hq, d]; k, v: [g, h, longest, d]
-            k, v = (take(c, slots).view(len(q), -1, h, d).transpose(1, 2) for c in (k_flat, v_flat))
+            k, v = (take(c, slots).to(q.dtype).view(len(q), -1, h, d).transpose(1, 2) for c in (k_flat, v_flat))
             return F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, enable_gqa=True)[:, :, 0]
         if not prefill and len(decode) == 1 and decode[0][0] is None:  # e.g. batch-1 decode: no row shuffling at all
             return decode_group(q, *decode[0][1:])
         out = torch.empty_like(q)
         for r0, r1, slots in prefill:
-            out[r0:r1] = attend(q[r0:r1], take(k_flat, slots), take(v_flat, slots)).to(q.dtype)
+            out[r0:r1] = attend(q[r0:r1], take(k_flat, slots).to(q.dtype), take(v_flat, slots).to(q.dtype))
         for rows, slots, mask in decode:
             out.index_copy_(0, rows, decode_group(q.index_select(0, rows), slots, mask).to(q.dtype))
         return out
