@@ -59,3 +59,18 @@ def test_low_precision_close_to_fp32(model_dir, tokenizer, model, dtype):
     a, b = ours(model, ids)[-1], ours(low, ids)[-1]
     assert b.dtype == torch.float32 and a.argmax() == b.argmax()
     assert (a - b).abs().max().item() < 1.0
+
+def test_packed_bf16_wide_steps_are_fp32_arithmetic_on_bf16_weights(model_dir, tokenizer):
+    """A packed bf16 model runs forwards of several tokens in fp32 activations (chapter 00a's `wide_dtype`): its logits
+    are those of an fp32 model holding the same bf16-rounded weights; a single token still runs in bf16."""
+    from minfer.model import can_pack, pack_weights
+    if not can_pack("bfloat16", "cpu"): pytest.skip("oneDNN is not available")
+    low = pack_weights(load_model(model_dir, "bfloat16"))
+    widened = load_model(model_dir, "float32")
+    for p, q in zip(widened.parameters(), load_model(model_dir, "bfloat16").parameters()): p.copy_(q.float())
+    widened = pack_weights(widened)
+    ids = tokenizer.encode(LONG)[:40]
+    assert low.wide_dtype == torch.float32 and widened.wide_dtype is None
+    assert torch.equal(ours(low, ids), ours(widened, ids))
+    one = ours(low, ids[:1])  # one token: bf16 activations and the half-size bf16 weights, a rounding away
+    assert not torch.equal(one, ours(widened, ids[:1])) and one.argmax() == ours(widened, ids[:1]).argmax()
