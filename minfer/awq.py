@@ -1,4 +1,4 @@
-"""Four bits per weight with a scale and a zero point per group of 64: a quarter of bf16's bytes per token, and AWQ's per-channel scales to keep the quality.
+"""Four bits per weight with a scale and a zero point per group of 64: about a quarter of bf16's bytes per projection weight (0.42× per decode step: the LM head stays dense), and AWQ's per-channel scales to keep the quality.
 
 Docs: https://minfer.github.io/minfer/awq.html.md"""
 

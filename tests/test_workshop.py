@@ -4,7 +4,7 @@ For each exercise, a fresh IPython shell (execnb's, as nbdev-test uses) runs onl
 need (`workshop.setup_cells`: cells with imports, the latest cell defining each name they read and the cells that
 attach methods to it), then the stub and the check (must raise), then the solution and the check (must pass).
 """
-import ast, os, sys
+import ast, gc, os, sys
 from pathlib import Path
 
 import nbformat
@@ -92,6 +92,13 @@ def test_check_fails_on_stub_and_passes_with_solution(nb_path, ex, monkeypatch):
     monkeypatch.chdir(nb_path.parent)  # as nbdev-test runs them
     monkeypatch.setenv("MPLBACKEND", "Agg")
     shell = CaptureShell(mpl_format=None)
+    try: _check_exercise(shell, nb, nb_path, ex)
+    finally:  # free the chapter's models before the next exercise: the whole suite would otherwise hold them all
+        shell.reset(new_session=False)
+        gc.collect()
+
+
+def _check_exercise(shell, nb, nb_path, ex):
     for i in workshop.setup_cells(nb, ex):
         exc = _run(shell, nb.cells[i].source)
         assert exc is None, f"{nb_path.name} cell {i} (setup for {ex.id}) failed: {exc!r}"

@@ -117,8 +117,8 @@ def chapter_title(nb, default):
 def chapter_summary(nb):
     for c in nb.cells:
         if c.cell_type == "markdown":
-            m = re.search(r"^>\s*(.+)$", c.source, re.MULTILINE)
-            if m: return m.group(1).strip()
+            m = re.search(r"^>\s*(.+(?:\n>\s*\S.*)*)", c.source, re.MULTILINE)  # a quote may wrap over several lines
+            if m: return " ".join(l.lstrip(">").strip() for l in m.group(1).splitlines())
     return ""
 
 
@@ -307,8 +307,12 @@ WORKSHOP_PLANS = [
                      "slow, keep shapes small; compiled and measured on a GPU)"),
         (45, [], "lunch"),
         (50, ["05b", "05c"], "the CPU's answer: C++ kernels, a matvec at the memory's pace, one call per decode step"),
+        (25, ["06"], "fewer bytes per weight: INT4 weights with AWQ's scales, and what they cost in perplexity"),
+        (20, ["07"], "fewer bytes per cached token: a quantized KV cache"),
         (45, ["08a", "08b"], "continuous batching: scheduler and engine"),
         (15, [], "break"),
+        (25, ["09"], "more tokens per weight read: speculative decoding"),
+        (20, ["10"], "prefill and decode apart: the prefill/decode split"),
         (40, ["11", "12"], "the API, the CLI and the HTTP server; students benchmark their own machine"),
     ]),
 ]
@@ -318,7 +322,8 @@ def workshop_plans(chapters):
     "Markdown for WORKSHOP_PLANS; `chapters`: number prefix -> (title, file name, exercise names, run time text)."
     out = []
     for name, assumes, blocks in WORKSHOP_PLANS:
-        hours = sum(m for m, _, _ in blocks) / 60
+        present = [b for b in blocks if not b[1] or any(n in chapters for n in b[1])]  # planned chapters not written yet drop out
+        hours = sum(m for m, _, _ in present) / 60
         lines = [f"### {name} (about {hours:.1f} hours)", "", f"{assumes} Minutes are teaching time; run times are the "
                  "notebooks' own, under `nbdev-test`.", ""]
         for minutes, numbers, what in blocks:
@@ -330,6 +335,11 @@ def workshop_plans(chapters):
             if exercises: line += " Exercises: " + ", ".join(exercises) + "."
             if have: line += " Runs in: " + "; ".join(run for _, _, _, run in have) + "."
             lines.append(line)
+        planned = {n for _, numbers, _ in blocks for n in numbers}
+        rest = [chapters[n] for n in sorted(chapters) if n not in planned]  # chapters added since the plan was written
+        if rest:
+            lines.append("- Not in this plan (for students who finish early, or a longer day): "
+                         + ", ".join(f"[{title}]({file})" for title, file, _, _ in rest) + ".")
         out.append("\n".join(lines))
     return "\n\n".join(out)
 
@@ -343,19 +353,22 @@ def instructor_guide(titles):
         nb = nbformat.read(p, as_version=4)
         exs = workshop.find_exercises(p, nb)
         n_ex += len(exs)
-        gpu, section = [], ""
+        gpu, slow, section = [], [], ""
         for c in nb.cells:
             if c.cell_type == "markdown":
                 hs = re.findall(r"^#{1,6}\s+(.+)$", c.source, re.MULTILINE)
                 if hs: section = hs[-1].strip()
             elif c.cell_type == "code" and re.search(r"^\s*#\|\s*gpu\b", c.source, re.MULTILINE):
                 if section not in gpu: gpu.append(section)
+            elif c.cell_type == "code" and re.search(r"^\s*#\|\s*slow\b", c.source, re.MULTILINE):
+                if section not in slow: slow.append(section)
         t = times["chapters"].get(p.name)
         if t is None: run = "not measured yet"
         else:
             run = _fmt_s(t["seconds"])
             if t.get("load", 0) > times.get("cores", 2) + 0.5: run += f" (busy machine, load {t['load']:g}: an upper bound)"
             if t.get("code_hash") != code_hash(p): run += " (measured on an earlier version)"
+        if slow: run += "; not counted, slow cells (stored outputs; `nbdev-test --flags slow`): " + "; ".join(slow)
         title = titles[p.stem]
         ex_cell = "<br>".join(f"`{e.signatures[0]}`" for e in exs) or "—"
         gpu_cell = ("yes: " + "; ".join(gpu)) if gpu else "no"
