@@ -317,6 +317,7 @@ class CpuAttention(PagedAttention):
     """`PagedAttention` whose decode steps are one `paged_decode` call per layer: write the new K/V, attend over each
     sequence's blocks in place, in fp32. Prefill chunks and mixed steps use chapter 03's path."""
     devices, dtypes = ("cpu",), ("float32", "bfloat16")  # and a C++ compiler (`can_fuse`)
+    kv_dtypes = ("auto",)  # the C++ kernel reads the pool in the model's dtype; chapter 07's int8 is not in it yet
     def __call__(self, layer, q, k, v):
         m, (k_pool, v_pool) = self.meta, (self.cache.k[layer], self.cache.v[layer])
         rows_ok = q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and k.stride(0) == v.stride(0) and q.stride(1) == k.stride(1) == v.stride(1) == q.shape[-1]

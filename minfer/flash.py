@@ -244,6 +244,7 @@ class TritonAttention(PagedAttention):
     "PagedAttention with the Triton kernels: split-KV decode when every sequence has one new token, else prefill/extend."
     # on a CPU only in Triton's interpreter (TRITON_INTERPRET=1: tests, small shapes); never bf16 there (wrong results)
     devices, dtypes = ("cuda", "cpu"), ("float32", "bfloat16", "float16")
+    kv_dtypes = ("auto",)  # the kernels read the pool's own dtype; chapter 07's quantized pools go through attention='torch'
     def attention(self, q, k_cache, v_cache, meta):
         if meta.max_seqlen_q == 1 and q.shape[0] == meta.seq_lens.shape[0]:
             return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens)
