@@ -56,10 +56,6 @@ def _prefill_kernel(Q, K, V, O, block_tables, cu_seqlens_q, seq_lens, scale_log2
                     + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(V + block[:, None] * stride_vb + (k_pos % BLOCK_SIZE)[:, None] * stride_vs
                     + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-        if QUANT:  # chapter 07: int8 codes with one float32 scale per token per KV head, dequantized tile by tile
-            s_at = block * stride_sb + (k_pos % BLOCK_SIZE) * stride_ss + kv_head * stride_sh
-            k = (k.to(tl.float32) * tl.load(K_scale + s_at, mask=k_ok, other=0.0)[:, None]).to(q.dtype)
-            v = (v.to(tl.float32) * tl.load(V_scale + s_at, mask=k_ok, other=0.0)[:, None]).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))  # causal; also hides k_pos >= seq_len
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -75,13 +71,13 @@ def _prefill_kernel(Q, K, V, O, block_tables, cu_seqlens_q, seq_lens, scale_log2
 # %% ../nbs/05_flash.ipynb #bdaaf385
 LOG2E = 1.4426950408889634
 
-def _check_paged(q, k_cache, v_cache, block_tables, seq_lens):
+def _check_paged(q, k_cache, v_cache, block_tables, seq_lens, int8_ok=False):
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"expected q [T, Hq, D] and k/v caches [blocks, block_size, Hkv, D]; got {tuple(q.shape)}, "
                          f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
     Hq, D, Hkv = q.shape[1], q.shape[2], k_cache.shape[2]
     if k_cache.shape[3] != D or Hq % Hkv: raise ValueError(f"head dims {D} vs {k_cache.shape[3]}, or Hq={Hq} not a multiple of Hkv={Hkv}")
-    if k_cache.dtype != v_cache.dtype or (q.dtype != k_cache.dtype and k_cache.dtype != torch.int8):
+    if k_cache.dtype != v_cache.dtype or (q.dtype != k_cache.dtype and not (int8_ok and k_cache.dtype == torch.int8)):
         raise ValueError(f"dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1: raise ValueError("last dim must be contiguous")
     if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32: raise ValueError("block_tables and seq_lens must be int32")
@@ -226,7 +222,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, num_splits=Non
                      k_scale=None, v_scale=None):
     """One new token per sequence, q [B, Hq, D], over paged K/V of seq_lens[i] tokens (the new one included) -> [B, Hq, D].
     k_scale, v_scale: [blocks, block_size, Hkv] float32 when the caches hold int8 codes (chapter 07)."""
-    _check_paged(q, k_cache, v_cache, block_tables, seq_lens)
+    _check_paged(q, k_cache, v_cache, block_tables, seq_lens, int8_ok=True)
     if (k_cache.dtype == torch.int8) != (k_scale is not None and v_scale is not None) or (k_scale is not None and (
             k_scale.shape != k_cache.shape[:3] or k_scale.stride() != v_scale.stride() or k_scale.dtype != torch.float32)):
         raise ValueError("int8 caches need float32 k_scale and v_scale [blocks, block_size, Hkv] (alike), other caches none")
