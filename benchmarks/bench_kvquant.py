@@ -1,11 +1,13 @@
 """KV-cache quantization (chapter 07): tokens per GB, requests that fit, and throughput on a KV-bound workload.
 
-Every format runs on the same model and backend (kernels=cpu, attention=torch: the PyTorch reference, the one path that
-reads every format; the one-call decode step of chapter 05c reads only the model's dtype), with the same fixed
+Every format runs on the same model with kernels=cpu (the one-call decode step of chapter 05c reads only the model's
+dtype) and `--attention`: torch (chapter 03's reference, which reads every format) or auto (each format's own: the C++
+decode kernel of chapter 05b for the model's dtype and int8, the reference for fp8), with the same fixed
 `kv_cache_bytes`, sized so the model's own dtype holds only `--fit` of the requests at once: the others wait, or are
 preempted and recomputed when the pool runs out. Formats alternate (A B C A B C ...), medians.
 
-    python benchmarks/bench_kvquant.py [--requests 16] [--prompt 256] [--out 32] [--fit 4] [--repeats 2] [--dtype float32] [--record]
+    python benchmarks/bench_kvquant.py [--requests 16] [--prompt 256] [--out 32] [--fit 4] [--repeats 2] [--dtype float32]
+        [--attention torch|auto] [--record]
 """
 import argparse, datetime, statistics, sys, time
 from pathlib import Path
@@ -38,16 +40,17 @@ def main():
     ap.add_argument("--out", type=int, default=32); ap.add_argument("--fit", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=2); ap.add_argument("--record", action="store_true")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--attention", default="torch", choices=["torch", "auto"])
     a = ap.parse_args()
     tok = Tokenizer(default_model_dir())
     ids = tok.encode((data_dir() / "text" / "evaluation.txt").read_text())
     work = [(ids[i * a.prompt:(i + 1) * a.prompt], a.out) for i in range(a.requests)]
-    base = EngineConfig(kernels="cpu", attention="torch", device="cpu", dtype=a.dtype).resolve()
+    base = EngineConfig(kernels="cpu", attention=a.attention, device="cpu", dtype=a.dtype).resolve()
     model = build_model(base)
     per_request_blocks = -(-(a.prompt + a.out) // base.block_size)
     budget = a.fit * per_request_blocks * base.block_size * kv_token_bytes(model.cfg, base.dtype)
     formats = ["auto", *KV_FORMATS]
-    configs = {f: EngineConfig(kernels="cpu", attention="torch", device="cpu", dtype=a.dtype, kv_dtype=f,
+    configs = {f: EngineConfig(kernels="cpu", attention=a.attention, device="cpu", dtype=a.dtype, kv_dtype=f,
                                kv_cache_bytes=budget).resolve()
                for f in formats}
     results = {f: [] for f in formats}
@@ -59,8 +62,9 @@ def main():
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
              f"- machine: {machine()} (shared: other engineers' jobs were running)",
              f"- command: `python benchmarks/bench_kvquant.py --requests {a.requests} --prompt {a.prompt} --out {a.out} "
-             f"--fit {a.fit} --repeats {a.repeats} --dtype {a.dtype}{' --record' if a.record else ''}`",
-             f"- model: SmolLM2-135M-Instruct, {base.dtype}, kernels=cpu, attention=torch (the reference that reads every format)",
+             f"--fit {a.fit} --repeats {a.repeats} --dtype {a.dtype} --attention {a.attention}{' --record' if a.record else ''}`",
+             f"- model: SmolLM2-135M-Instruct, {base.dtype}, kernels=cpu, attention: "
+             + ", ".join(f"{f} -> {c.attention}" for f, c in configs.items()),
              f"- workload: {a.requests} requests at t=0, prompts of {a.prompt} tokens of data/text/evaluation.txt, "
              f"{a.out} greedy output tokens each; kv_cache_bytes = {budget / 2**20:.1f} MiB, which holds {a.fit} "
              f"requests ({per_request_blocks} blocks of {base.block_size} tokens each) in {base.dtype}", "",
@@ -81,7 +85,7 @@ def main():
     text = "\n".join(lines) + "\n"
     print(text)
     if a.record:
-        path = Path(__file__).parent / f"kvquant-{a.dtype}-{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d-%H%M}.md"
+        path = Path(__file__).parent / f"kvquant-{a.dtype}-{a.attention}-{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d-%H%M}.md"
         path.write_text(text); print("recorded", path)
 
 if __name__ == "__main__": main()

@@ -80,7 +80,8 @@ def test_copy_on_write_and_transfers_move_codes_and_scales(kv_dtype):
 
 @pytest.mark.parametrize("switches, message", [
     (dict(kv_dtype="int8", kernels="step"), "kernels='step' reads K/V in the model's dtype"),
-    (dict(kv_dtype="int8", attention="cpu"), "attention='cpu' does not read kv_dtype='int8'"),
+    (dict(kv_dtype="fp8", attention="cpu"), "attention='cpu' does not read kv_dtype='fp8'"),
+    (dict(kv_dtype="fp8", attention="triton"), "attention='triton' does not read kv_dtype='fp8'"),
     (dict(kv_dtype="fp8", kv="contiguous", kernels="cpu"), "needs kv='paged'"),
     (dict(kv_dtype="float16"), "stored in the model's dtype"),
     (dict(kv_dtype="int3"), "kv_dtype='int3' is not supported"),
@@ -91,8 +92,11 @@ def test_combinations_a_backend_cannot_run_are_refused_in_one_line(model_dir, sw
 
 
 def test_auto_picks_what_reads_the_format(model_dir):
+    from minfer.cpu_kernels import cpu_kernels_available
     c = EngineConfig(model_dir, kv_dtype="int8", device="cpu").resolve()
-    assert (c.kv_dtype, c.attention) == ("int8", "torch") and c.kernels != "step"
+    assert (c.kv_dtype, c.attention) == ("int8", "cpu" if cpu_kernels_available() else "torch") and c.kernels != "step"
+    c = EngineConfig(model_dir, kv_dtype="fp8", device="cpu").resolve()
+    assert (c.kv_dtype, c.attention) == ("fp8", "torch") and c.kernels != "step"
 
 
 def test_engine_runs_int8_and_its_bytes_per_token_count_the_smaller_kv(model_dir):
@@ -174,3 +178,24 @@ def test_triton_refuses_an_int8_pool_without_scales():
     with pytest.raises(ValueError, match="k_scale"):
         decode_attention(torch.zeros(1, 3, 64), cache.k[0], cache.v[0], torch.zeros(1, 1, dtype=torch.int32),
                          torch.ones(1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_cpu_kernel_reads_int8(dtype, tol):
+    "Chapter 05b's C++ decode over an int8 pool (`paged_decode_q8`) == chapter 03's reference on the same pool."
+    from minfer.cpu_kernels import CpuAttention, cpu_kernels_available
+    from minfer.paged import PagedAttention, build_batch_meta
+    if not cpu_kernels_available(): pytest.skip("no C++ compiler")
+    g = torch.Generator().manual_seed(0)
+    cache = QuantizedKVCache(CFG, 40, 16, dtype=dtype, kv_dtype="int8")
+    cache.k_scale.fill_(float("nan")); cache.v_scale.fill_(float("nan"))  # never written: must never be read
+    tables, lens = [[5, 2, 7], [0, 3, 9, 11, 12], [4]], [41, 70, 3]
+    for t, n in zip(tables, lens):
+        slots = torch.tensor([t[p // 16] * 16 + p % 16 for p in range(n - 1)])
+        cache.store(1, slots, torch.randn(n - 1, 3, 64, generator=g), torch.randn(n - 1, 3, 64, generator=g))
+    q, k, v = (torch.randn(3, h, 64, generator=g).to(dtype) for h in (9, 3, 3))
+    outs = []
+    for cls in (CpuAttention, PagedAttention):  # the kernel's call stores the new K/V too; the reference writes them again
+        a = cls(cache); a.meta = build_batch_meta([(t, n - 1, 1) for t, n in zip(tables, lens)], 16)
+        outs.append(a(1, q, k, v).float())
+    assert torch.isfinite(outs[0]).all() and torch.allclose(*outs, atol=tol), (outs[0] - outs[1]).abs().max()
