@@ -261,7 +261,8 @@ CONFIG_RULES = [
      lambda c: f"kv_dtype={c.kv_dtype!r}: an unquantized KV cache is stored in the model's dtype ({c.dtype!r}); "
                f"use kv_dtype='auto' or a quantized format: {', '.join(map(repr, KV_FORMATS))}"),
     (lambda c: c.kv_dtype in KV_FORMATS and c.kv != "paged",
-     lambda c: f"kv_dtype={c.kv_dtype!r} quantizes the paged KV pool (chapter 07): it needs kv='paged' (got kv={c.kv!r})"),
+     lambda c: f"kv_dtype={c.kv_dtype!r} quantizes the paged KV pool (chapter 07): it needs kv='paged' "
+               f"(got kv={c.kv!r})"),
     (lambda c: c.kv_dtype in KV_FORMATS and c.kernels == "step",
      lambda c: f"kernels='step' reads K/V in the model's dtype, not kv_dtype={c.kv_dtype!r}; "
                "use kernels='cpu' (or 'auto') with attention='torch'"),

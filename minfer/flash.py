@@ -220,12 +220,14 @@ def default_num_splits(batch, n_kv_heads, max_len, block_n, device):
 
 def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, scale=None, block_n=None,
                      k_scale=None, v_scale=None):
-    """One new token per sequence, q [B, Hq, D], over paged K/V of seq_lens[i] tokens (the new one included) -> [B, Hq, D].
-    k_scale, v_scale: [blocks, block_size, Hkv] float32 when the caches hold int8 codes (chapter 07)."""
+    """One new token per sequence, q [B, Hq, D], over paged K/V of seq_lens[i] tokens (the new one included)
+    -> [B, Hq, D]. k_scale, v_scale: [blocks, block_size, Hkv] float32 when the caches hold int8 codes (chapter 07)."""
     _check_paged(q, k_cache, v_cache, block_tables, seq_lens, int8_ok=True)
-    if (k_cache.dtype == torch.int8) != (k_scale is not None and v_scale is not None) or (k_scale is not None and (
-            k_scale.shape != k_cache.shape[:3] or k_scale.stride() != v_scale.stride() or k_scale.dtype != torch.float32)):
-        raise ValueError("int8 caches need float32 k_scale and v_scale [blocks, block_size, Hkv] (alike), other caches none")
+    scales_ok = k_scale is None or (k_scale.shape == k_cache.shape[:3] and k_scale.stride() == v_scale.stride()
+                                    and k_scale.dtype == torch.float32)
+    if (k_cache.dtype == torch.int8) != (k_scale is not None and v_scale is not None) or not scales_ok:
+        raise ValueError("int8 caches need float32 k_scale and v_scale [blocks, block_size, Hkv] (alike); "
+                         "other caches none")
     (B, Hq, D), (_, block_size, Hkv, _) = q.shape, k_cache.shape
     group, BLOCK_D = Hq // Hkv, triton.next_power_of_2(D)
     block_n = block_n or (64 if q.is_cuda else 32)

@@ -15,11 +15,12 @@ import torch
 from .paged import PagedKVCache, PagedAttention, BlockAllocator, BlockTable, build_batch_meta
 from .model import DTYPES
 
-# %% ../nbs/07_kvquant.ipynb #31afdb52
+# %% ../nbs/07_kvquant.ipynb #db1a176a
 @dataclass(frozen=True)
 class KVFormat:
     """How one quantized KV format stores a token's key (or value) vector for one KV head: `head_dim` codes of dtype
-    `storage`, and one float32 scale, amax / `qmax`, computed from that vector when it is stored (symmetric: no zero point)."""
+    `storage`, and one float32 scale, amax / `qmax`, computed from that vector when it is stored (symmetric: no zero
+    point)."""
     name: str
     storage: torch.dtype  # what the codes are stored as
     qmax: float           # the largest code: 127 for int8, 448 for float8_e4m3fn (its largest finite value)
@@ -45,18 +46,21 @@ KV_FORMATS = {"int8": KVFormat("int8", torch.int8, 127.0),
 
 def kv_format(name):
     "The `KVFormat` called `name`, or one line saying which exist."
-    if name not in KV_FORMATS: raise ValueError(f"kv_dtype={name!r} is not a quantized KV format; allowed: {', '.join(map(repr, KV_FORMATS))}")
+    if name not in KV_FORMATS:
+        raise ValueError(f"kv_dtype={name!r} is not a quantized KV format; allowed: {', '.join(map(repr, KV_FORMATS))}")
     return KV_FORMATS[name]
 
-# %% ../nbs/07_kvquant.ipynb #647d398d
+# %% ../nbs/07_kvquant.ipynb #ce6c2785
 class DequantizedView:
     """One layer of a quantized pool as chapter 03's attention reads it: it has the pool's `shape`, reshapes with
     `view`, and rows taken from it (`[slice]`, `index_select`) come out dequantized to `dtype`. Only those rows are
     ever dequantized: the pool itself stays in its codes."""
-    def __init__(self, codes, scales, fmt, dtype): self.codes, self.scales, self.fmt, self.dtype = codes, scales, fmt, dtype
+    def __init__(self, codes, scales, fmt, dtype):
+        self.codes, self.scales, self.fmt, self.dtype = codes, scales, fmt, dtype
     @property
     def shape(self): return self.codes.shape
-    def view(self, *shape): return DequantizedView(self.codes.view(*shape), self.scales.view(*shape[:-1]), self.fmt, self.dtype)
+    def view(self, *shape):
+        return DequantizedView(self.codes.view(*shape), self.scales.view(*shape[:-1]), self.fmt, self.dtype)
     def __getitem__(self, idx): return self.fmt.dequantize(self.codes[idx], self.scales[idx], self.dtype)
     def index_select(self, dim, idx):
         return self.fmt.dequantize(self.codes.index_select(dim, idx), self.scales.index_select(dim, idx), self.dtype)
@@ -64,8 +68,8 @@ class DequantizedView:
 class QuantizedKVCache(PagedKVCache):
     """Chapter 03's pool with K and V stored in `kv_dtype` (a `KV_FORMATS` name): codes `k`, `v` [layers, num_blocks,
     block_size, kv_heads, head_dim] and float32 scales `k_scale`, `v_scale` [layers, num_blocks, block_size, kv_heads],
-    one per token per KV head. `store` quantizes; `layer` hands attention views that dequantize to `dtype` (the model's).
-    The scales are per-block tensors like the codes (`tensors`), so copy-on-write, preemption and transfers move them."""
+    one per token per KV head. `store` quantizes; `layer` hands attention views that dequantize to `dtype` (the
+    model's). The scales are per-block tensors like the codes (`tensors`), so copy-on-write and transfers move them."""
     def __init__(self, cfg, num_blocks, block_size=16, dtype=torch.float32, device="cpu", kv_dtype="int8"):
         self.format, self.kv_dtype, self.dtype = kv_format(kv_dtype), kv_dtype, dtype
         shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
@@ -81,7 +85,8 @@ class QuantizedKVCache(PagedKVCache):
     def from_budget(cls, cfg, budget_bytes, block_size=16, dtype=torch.float32, device="cpu", kv_dtype="int8"):
         "As many blocks as fit in `budget_bytes` of codes and scales."
         n = int(budget_bytes // cls.block_bytes(cfg, block_size, dtype, kv_dtype))
-        if n < 1: raise ValueError(f"a KV budget of {budget_bytes} bytes holds no {kv_dtype} block of {block_size} tokens")
+        if n < 1:
+            raise ValueError(f"a KV budget of {budget_bytes} bytes holds no {kv_dtype} block of {block_size} tokens")
         return cls(cfg, n, block_size, dtype, device, kv_dtype)
 
     @staticmethod
@@ -106,7 +111,8 @@ def kv_cache_from_budget(cfg, budget_bytes, block_size=16, dtype=torch.float32, 
     if kv_dtype in KV_FORMATS:
         return QuantizedKVCache.from_budget(cfg, budget_bytes, block_size, dtype, device, kv_dtype)
     if kv_dtype not in ("auto", str(dtype).removeprefix("torch.")):
-        raise ValueError(f"kv_dtype={kv_dtype!r}: store K/V in the model's dtype ('auto') or one of {', '.join(map(repr, KV_FORMATS))}")
+        raise ValueError(f"kv_dtype={kv_dtype!r}: store K/V in the model's dtype ('auto') or one of "
+                         f"{', '.join(map(repr, KV_FORMATS))}")
     return PagedKVCache.from_budget(cfg, budget_bytes, block_size, dtype, device)
 
 def kv_token_bytes(cfg, kv_dtype="float32"):
@@ -114,7 +120,7 @@ def kv_token_bytes(cfg, kv_dtype="float32"):
     if kv_dtype in KV_FORMATS: return QuantizedKVCache.block_bytes(cfg, 1, kv_dtype=kv_dtype)
     return PagedKVCache.block_bytes(cfg, 1, getattr(torch, kv_dtype))
 
-# %% ../nbs/07_kvquant.ipynb #8e41e326
+# %% ../nbs/07_kvquant.ipynb #646e3844
 @torch.inference_mode()
 def kv_logprobs(model, ids, kv_dtype="auto", chunk=32, block_size=16, attention=None):
     """log p(ids[i+1] | ids[:i+1]) for every i, as float32 [len(ids) - 1, vocab], with `ids` run through a paged pool
@@ -122,8 +128,8 @@ def kv_logprobs(model, ids, kv_dtype="auto", chunk=32, block_size=16, attention=
     from the pool, so from its second chunk on the model works from stored, quantized KV, as in chunked prefill and
     decode. attention: a backend class (default chapter 03's `PagedAttention`)."""
     n_blocks = -(-len(ids) // block_size)
-    cache = (QuantizedKVCache(model.cfg, n_blocks, block_size, model.dtype, model.device, kv_dtype) if kv_dtype in KV_FORMATS
-             else PagedKVCache(model.cfg, n_blocks, block_size, model.dtype, model.device))
+    args = (model.cfg, n_blocks, block_size, model.dtype, model.device)
+    cache = QuantizedKVCache(*args, kv_dtype) if kv_dtype in KV_FORMATS else PagedKVCache(*args)
     table, attn = BlockTable(cache.allocator), (attention or PagedAttention)(cache)
     out = []
     for start in range(0, len(ids), chunk):
@@ -145,6 +151,7 @@ def kv_quality(model, ids, kv_dtypes=tuple(KV_FORMATS), chunk=32):
         lp = kv_logprobs(model, ids, name, chunk)
         kl = (ref.exp() * (ref - lp)).sum(-1)
         ppl = math.exp(-lp.gather(-1, target).mean().item())
+        same = (lp.argmax(-1) == ref.argmax(-1)).float().mean().item()
         rows[name] = dict(ppl=ppl, ppl_change_pct=100 * (ppl / ppl0 - 1), kl_mean=kl.mean().item(),
-                          kl_p99=kl.quantile(0.99).item(), same_top1=(lp.argmax(-1) == ref.argmax(-1)).float().mean().item())
+                          kl_p99=kl.quantile(0.99).item(), same_top1=same)
     return rows
