@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from .model import DTYPES, WEIGHT_FORMATS, weight_format, load_model, default_model_dir, check_model_folder
 from .paged import PagedKVCache, build_batch_meta
+from .kvquant import KV_FORMATS, kv_cache_from_budget, kv_token_bytes
 from .sequence import Sequence, SamplingParams
 from .sampling import sample_next, add_prompt_logprobs
 from .sequential import SequentialEngine
@@ -79,7 +80,7 @@ class ModelRunner:
         "Ledger for the step, and each sequence's share: weights split evenly over the batch, plus its own KV traffic."
         self.ledger.record([n for _, n in batch], [s.num_computed for s, _ in batch], logits_rows=n_logits)
         w = weight_bytes_per_step(self.model.cfg, self.ledger.dtype, self.ledger.projection_bits) / len(batch)
-        kvb = kv_bytes_per_token(self.model.cfg, self.ledger.dtype)
+        kvb = kv_token_bytes(self.model.cfg, getattr(self.cache, "kv_dtype", self.ledger.dtype))  # ch. 07: scales too
         for s, n in batch: s.bytes_moved += w + (s.num_computed + n) * kvb
 
 # %% ../nbs/08b_engine.ipynb #e1bb6271
@@ -97,9 +98,10 @@ def attention_class(name):
 class LLMEngine:
     "Continuous batching over a paged KV pool: `add` sequences, call `step()` until `has_unfinished()` is False."
     def __init__(self, model, *, block_size=16, kv_cache_bytes=2**30, max_num_seqs=64, max_num_batched_tokens=256,
-                 prefix_cache=False, chunked_prefill=True, attention="torch", projection_bits=None):
+                 prefix_cache=False, chunked_prefill=True, attention="torch", projection_bits=None, kv_dtype="auto"):
         self.model, self.cfg = model, model.cfg
-        self.cache = PagedKVCache.from_budget(model.cfg, kv_cache_bytes, block_size, model.dtype, model.device)
+        # kv_dtype: 'auto' = the model's dtype (chapter 03's pool), or one of chapter 07's quantized formats
+        self.cache = kv_cache_from_budget(model.cfg, kv_cache_bytes, block_size, model.dtype, model.device, kv_dtype)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, prefix_cache, chunked_prefill)
         self.runner = ModelRunner(model, self.cache, attention_class(attention)(self.cache), projection_bits)
         self.history = []  # per step: (time, [(seq id, n, "prefill" | "decode")], blocks in use)
@@ -165,7 +167,8 @@ class EngineConfig:
                            ("auto", "torch", "cpu", "step"))
     attention: str = _switch("auto", "attention backend: torch (ch. 03), triton (05), cpu (05b); auto = kernels' own",
                              lambda: ("auto", *ATTENTION_BACKENDS))
-    kv_dtype: str = _switch("auto", "KV cache storage: auto = the model's dtype", ("auto", *DTYPES))
+    kv_dtype: str = _switch("auto", "KV cache storage: auto = the model's dtype; int8, fp8 quantized (ch. 07)",
+                            ("auto", *DTYPES, *KV_FORMATS))
     speculative: str | None = _switch(None, "speculative decoding (ch. 09, not written yet)", (None,))
     pd_split: bool = _switch(False, "prefill and decode on separate workers (ch. 10, not written yet)", (False,))
     prefix_cache: bool = _switch(False, "reuse the KV of earlier prompts' shared prefixes (ch. 04; kv=paged)")
@@ -211,11 +214,14 @@ class EngineConfig:
         if kernels == "auto":
             fused = "cpu" if can_fuse(dtype, device) else "torch"
             steps = self.kv == "paged" and weight_format(weights).plain_weights and can_step(dtype, device)
+            steps = steps and self.kv_dtype not in KV_FORMATS  # the one-call step reads an unquantized pool
             kernels = "step" if steps else fused
         attention = self.attention
         if attention == "auto":
             own = "cpu" if kernels in ("cpu", "step") else "triton" if device == "cuda" else "torch"  # the kernels' own
             attention = own if self.kv == "paged" else "torch"
+            if self.kv_dtype in KV_FORMATS and self.kv_dtype not in attention_class(attention).kv_dtypes:
+                attention = "torch"  # chapter 03's reference reads every KV format (dequantizing)
         kv_dtype = dtype if self.kv_dtype == "auto" else self.kv_dtype
         resolved = replace(self, model=model, device=device, dtype=dtype, weights=weights, kernels=kernels,
                            attention=attention, kv_dtype=kv_dtype)
@@ -251,6 +257,18 @@ CONFIG_RULES = [
      lambda c: f"prefix_cache=True needs kv='paged' (got kv={c.kv!r})"),
     (lambda c: c.kv != "paged" and c.attention != "torch",
      lambda c: f"attention={c.attention!r} reads the paged KV pool: it needs kv='paged' (got kv={c.kv!r})"),
+    (lambda c: c.kv_dtype not in KV_FORMATS and c.kv_dtype != c.dtype,
+     lambda c: f"kv_dtype={c.kv_dtype!r}: an unquantized KV cache is stored in the model's dtype ({c.dtype!r}); "
+               f"use kv_dtype='auto' or a quantized format: {', '.join(map(repr, KV_FORMATS))}"),
+    (lambda c: c.kv_dtype in KV_FORMATS and c.kv != "paged",
+     lambda c: f"kv_dtype={c.kv_dtype!r} quantizes the paged KV pool (chapter 07): it needs kv='paged' "
+               f"(got kv={c.kv!r})"),
+    (lambda c: c.kv_dtype in KV_FORMATS and c.kernels == "step",
+     lambda c: f"kernels='step' reads K/V in the model's dtype, not kv_dtype={c.kv_dtype!r}; "
+               "use kernels='cpu' (or 'auto') with attention='torch'"),
+    (lambda c: c.kv_dtype in KV_FORMATS and c.kv_dtype not in attention_class(c.attention).kv_dtypes,
+     lambda c: f"attention={c.attention!r} does not read kv_dtype={c.kv_dtype!r} (it reads "
+               f"{', '.join(map(repr, attention_class(c.attention).kv_dtypes))}); use attention='torch' (or 'auto')"),
     (lambda c: c.kernels == "step" and c.attention != "cpu",
      lambda c: f"kernels='step' runs decode attention inside its one C++ call (chapter 05b's kernel), not attention="
                f"{c.attention!r}; use attention='cpu' (or 'auto'), or kernels='cpu' / 'torch' to run {c.attention!r}"),
@@ -263,9 +281,6 @@ CONFIG_RULES = [
                and (os.environ.get("TRITON_INTERPRET") != "1" or c.dtype == "bfloat16"),
      lambda c: "attention='triton' on a CPU runs only in Triton's interpreter (TRITON_INTERPRET=1, set before triton "
                "is imported; float32 or float16: it computes bfloat16 wrongly); use attention='torch'"),
-    (lambda c: c.kv_dtype != c.dtype,
-     lambda c: f"kv_dtype={c.kv_dtype!r}: the KV cache is stored in the model's dtype ({c.dtype!r}); "
-               "use kv_dtype='auto'"),
 ]
 
 # how each `kernels` choice changes a loaded model (chapters 05b and 05c switch the modules' classes)
@@ -283,7 +298,7 @@ def build_engine(config, model):
     return LLMEngine(model, block_size=config.block_size, kv_cache_bytes=config.kv_cache_bytes,
                      max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                      prefix_cache=config.prefix_cache, chunked_prefill=config.chunked_prefill,
-                     attention=config.attention, projection_bits=projection_bits)
+                     attention=config.attention, projection_bits=projection_bits, kv_dtype=config.kv_dtype)
 
 # %% ../nbs/08b_engine.ipynb #e634b784
 def make_workload(tokenizer, n, *, seed=0, arrival="all", rate=4.0, prompt_median=64, prompt_max=512, out_min=16, out_max=128, text=None):

@@ -71,13 +71,14 @@ def _prefill_kernel(Q, K, V, O, block_tables, cu_seqlens_q, seq_lens, scale_log2
 # %% ../nbs/05_flash.ipynb #bdaaf385
 LOG2E = 1.4426950408889634
 
-def _check_paged(q, k_cache, v_cache, block_tables, seq_lens):
+def _check_paged(q, k_cache, v_cache, block_tables, seq_lens, int8_ok=False):
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"expected q [T, Hq, D] and k/v caches [blocks, block_size, Hkv, D]; got {tuple(q.shape)}, "
                          f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
     Hq, D, Hkv = q.shape[1], q.shape[2], k_cache.shape[2]
     if k_cache.shape[3] != D or Hq % Hkv: raise ValueError(f"head dims {D} vs {k_cache.shape[3]}, or Hq={Hq} not a multiple of Hkv={Hkv}")
-    if q.dtype != k_cache.dtype or k_cache.dtype != v_cache.dtype: raise ValueError(f"dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if k_cache.dtype != v_cache.dtype or (q.dtype != k_cache.dtype and not (int8_ok and k_cache.dtype == torch.int8)):
+        raise ValueError(f"dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1: raise ValueError("last dim must be contiguous")
     if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32: raise ValueError("block_tables and seq_lens must be int32")
 
@@ -144,10 +145,10 @@ def random_paged_batch(seq_lens, q_lens=None, n_q_heads=6, n_kv_heads=2, head_di
 @triton.jit
 def _decode_split_kernel(Q, K, V, O_part, LSE_part, block_tables, seq_lens, scale_log2,
                          stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                         stride_bt, H_Q,
+                         stride_bt, H_Q, K_scale, V_scale, stride_sb, stride_ss, stride_sh,
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         PRECISION: tl.constexpr):
+                         PRECISION: tl.constexpr, QUANT: tl.constexpr = False):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens + seq)
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N  # whole key tiles per split
@@ -170,6 +171,10 @@ def _decode_split_kernel(Q, K, V, O_part, LSE_part, block_tables, seq_lens, scal
                     + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(V + block[:, None] * stride_vb + (k_pos % BLOCK_SIZE)[:, None] * stride_vs
                     + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        if QUANT:  # chapter 07: int8 codes with one float32 scale per token per KV head, dequantized tile by tile
+            s_at = block * stride_sb + (k_pos % BLOCK_SIZE) * stride_ss + kv_head * stride_sh
+            k = (k.to(tl.float32) * tl.load(K_scale + s_at, mask=k_ok, other=0.0)[:, None]).to(q.dtype)
+            v = (v.to(tl.float32) * tl.load(V_scale + s_at, mask=k_ok, other=0.0)[:, None]).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         s = tl.where(k_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -213,9 +218,16 @@ def default_num_splits(batch, n_kv_heads, max_len, block_n, device):
     want = triton.cdiv(2 * _sm_count(device), batch * n_kv_heads) if device.type == "cuda" else 2
     return max(1, min(want, triton.cdiv(max_len, block_n), 64))
 
-def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, scale=None, block_n=None):
-    "One new token per sequence, q [B, Hq, D], over paged K/V of seq_lens[i] tokens (the new one included) -> [B, Hq, D]."
-    _check_paged(q, k_cache, v_cache, block_tables, seq_lens)
+def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, scale=None, block_n=None,
+                     k_scale=None, v_scale=None):
+    """One new token per sequence, q [B, Hq, D], over paged K/V of seq_lens[i] tokens (the new one included)
+    -> [B, Hq, D]. k_scale, v_scale: [blocks, block_size, Hkv] float32 when the caches hold int8 codes (chapter 07)."""
+    _check_paged(q, k_cache, v_cache, block_tables, seq_lens, int8_ok=True)
+    scales_ok = k_scale is None or (k_scale.shape == k_cache.shape[:3] and k_scale.stride() == v_scale.stride()
+                                    and k_scale.dtype == torch.float32)
+    if (k_cache.dtype == torch.int8) != (k_scale is not None and v_scale is not None) or not scales_ok:
+        raise ValueError("int8 caches need float32 k_scale and v_scale [blocks, block_size, Hkv] (alike); "
+                         "other caches none")
     (B, Hq, D), (_, block_size, Hkv, _) = q.shape, k_cache.shape
     group, BLOCK_D = Hq // Hkv, triton.next_power_of_2(D)
     block_n = block_n or (64 if q.is_cuda else 32)
@@ -228,9 +240,11 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, num_splits=Non
     _decode_split_kernel[(B, Hkv, num_splits)](
         q, k_cache, v_cache, o_part, lse_part, block_tables, seq_lens, scale * LOG2E,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0), Hq,
+        k_cache if k_scale is None else k_scale, v_cache if v_scale is None else v_scale,
+        *(k_scale.stride() if k_scale is not None else (0, 0, 0)),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, D=D, BLOCK_D=BLOCK_D,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        **_launch_opts(q))
+        QUANT=k_scale is not None, **_launch_opts(q))
     if num_splits == 1: return o.copy_(o_part[:, :, 0, :D])             # one split: nothing to merge
     _decode_merge_kernel[(B, Hkv)](o_part, lse_part, o, o.stride(0), o.stride(1), Hq,
                                    GROUP=group, BLOCK_H=triton.next_power_of_2(group), D=D, BLOCK_D=BLOCK_D,
@@ -244,7 +258,14 @@ class TritonAttention(PagedAttention):
     "PagedAttention with the Triton kernels: split-KV decode when every sequence has one new token, else prefill/extend."
     # on a CPU only in Triton's interpreter (TRITON_INTERPRET=1: tests, small shapes); never bf16 there (wrong results)
     devices, dtypes = ("cuda", "cpu"), ("float32", "bfloat16", "float16")
+    # chapter 07's int8 pool: decode reads its codes and scales (dequantizing tile by tile), prefill chapter 03's path
+    kv_dtypes = ("auto", "int8")
     def attention(self, q, k_cache, v_cache, meta):
+        quantized = not isinstance(k_cache, torch.Tensor)  # chapter 07's view of codes + scales
         if meta.max_seqlen_q == 1 and q.shape[0] == meta.seq_lens.shape[0]:
+            if quantized:
+                return decode_attention(q, k_cache.codes, v_cache.codes, meta.block_tables, meta.seq_lens,
+                                        k_scale=k_cache.scales, v_scale=v_cache.scales)
             return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens)
+        if quantized: return super().attention(q, k_cache, v_cache, meta)
         return prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, meta.max_seqlen_q)

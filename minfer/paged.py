@@ -157,6 +157,11 @@ class PagedKVCache:
     @property
     def tensors(self): return {"k": self.k, "v": self.v}
 
+    def layer(self, layer):
+        "What attention reads of `layer`: its K and V pools [num_blocks, block_size, kv_heads, head_dim]."
+        # chapter 07's quantized pools return views instead, which dequantize only the rows attention gathers
+        return self.k[layer], self.v[layer]
+
     @classmethod
     def from_budget(cls, cfg, budget_bytes, block_size=16, dtype=torch.float32, device="cpu"):
         "As many blocks as fit in `budget_bytes` of K and V."
@@ -198,7 +203,8 @@ class PagedAttention:
     `__call__` writes the new k, v at `meta.slot_mapping`; `attention` is the PyTorch reference (subclasses override it)."""
     decode_group = 16  # decode sequences attended together in one padded SDPA call (sorted by length, so little padding)
     # what this backend runs on; the engine's config refuses other combinations (chapter 08b)
-    devices, dtypes, kv_dtypes = ("cpu", "cuda"), ("float32", "bfloat16", "float16"), ("auto",)
+    # kv_dtypes: "auto" is the model's dtype; chapter 07's quantized formats are read through `cache.layer`, dequantized
+    devices, dtypes, kv_dtypes = ("cpu", "cuda"), ("float32", "bfloat16", "float16"), ("auto", "int8", "fp8")
 
     def __init__(self, cache): self.cache, self._meta, self.plan = cache, None, None
 
@@ -209,7 +215,7 @@ class PagedAttention:
 
     def __call__(self, layer, q, k, v):
         self.cache.store(layer, self.meta.slot_mapping, k, v)
-        return self.attention(q, self.cache.k[layer], self.cache.v[layer], self.meta)
+        return self.attention(q, *self.cache.layer(layer), self.meta)
 
     def make_plan(self, meta, bs):
         """Which rows attend to which cache slots — the same in every layer, so worked out once per step.

@@ -69,6 +69,16 @@ def test_batch_meta_layout():
     with pytest.raises(ValueError, match="cannot hold"): build_batch_meta([([1], 3, 2)], block_size=4)
 
 
+def dequantized(x, kv_dtype):
+    "Independent reference for chapter 07's formats: symmetric, one scale (amax / largest code) per token per head."
+    if kv_dtype == "auto": return x
+    qmax = 127.0 if kv_dtype == "int8" else 448.0
+    scale = x.abs().amax(-1, keepdim=True) / qmax
+    y = (x / scale).round().clamp(-127, 127) if kv_dtype == "int8" else (x / scale).to(torch.float8_e4m3fn).float()
+    return y * scale
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8"])
 @pytest.mark.parametrize("layout", ["shuffled", "consecutive"])
 @pytest.mark.parametrize("lens, q_lens, decode_group", [
     ([7, 1, 12], [3, 1, 12], 16),                   # prefill chunk after a cached prefix, a lone decode, a whole prompt
@@ -77,29 +87,36 @@ def test_batch_meta_layout():
     ([3, 6, 9], [1, 1, 1], 16),                      # decodes already in length order: one group of every row, in order
     ([21], [1], 16),                                 # batch-1 decode
 ])
-def test_paged_attention_matches_contiguous_attention(lens, q_lens, decode_group, layout):
+def test_paged_attention_matches_contiguous_attention(lens, q_lens, decode_group, layout, kv_dtype):
     """Random K/V in blocks that are out of order (gathered) or consecutive per sequence (viewed in place), NaN
-    everywhere else, including the unused tail of each last block: same output as `attend` on contiguous K/V."""
+    everywhere else, including the unused tail of each last block: same output as `attend` on contiguous K/V.
+    Quantized pools (chapter 07, NaN scales where nothing was written): same as `attend` on dequantized K/V."""
     from types import SimpleNamespace
     from minfer.model import attend
     g = torch.Generator().manual_seed(0)
     bs, H, Hq, D = 4, 2, 6, 8
     nblocks = sum(-(-n // bs) for n in lens) + 3  # spare blocks stay NaN; padding may point at them
-    cache = PagedKVCache(SimpleNamespace(num_hidden_layers=1, num_key_value_heads=H, head_dim=D), nblocks, bs)
-    cache.k.fill_(float("nan")), cache.v.fill_(float("nan"))
+    cfg = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=H, head_dim=D)
+    if kv_dtype == "auto":
+        cache = PagedKVCache(cfg, nblocks, bs)
+        cache.k.fill_(float("nan")), cache.v.fill_(float("nan"))
+    else:
+        from minfer.kvquant import QuantizedKVCache
+        cache = QuantizedKVCache(cfg, nblocks, bs, kv_dtype=kv_dtype)
+        cache.k_scale.fill_(float("nan")), cache.v_scale.fill_(float("nan"))
     ids = torch.randperm(nblocks, generator=g).tolist() if layout == "shuffled" else list(range(nblocks))
     tables, seqs, ks, vs, qs = [], [], [], [], []
     for n, nq in zip(lens, q_lens):
         nb = -(-n // bs); tables.append(ids[:nb]); ids = ids[nb:]
         k, v, q = torch.randn(n, H, D, generator=g), torch.randn(n, H, D, generator=g), torch.randn(nq, Hq, D, generator=g)
         slots = torch.tensor(BlockTable.slots(SimpleNamespace(blocks=tables[-1], block_size=bs), 0, n - nq))
-        if len(slots): cache.k[0].view(-1, H, D)[slots], cache.v[0].view(-1, H, D)[slots] = k[:n - nq], v[:n - nq]
+        if len(slots): cache.store(0, slots, k[:n - nq], v[:n - nq])
         seqs.append((tables[-1], n - nq, nq)); ks.append(k); vs.append(v); qs.append(q)
     attn = PagedAttention(cache)
     attn.decode_group, attn.meta = decode_group, build_batch_meta(seqs, bs)
     new_k, new_v = torch.cat([k[n - nq:] for k, n, nq in zip(ks, lens, q_lens)]), torch.cat([v[n - nq:] for v, n, nq in zip(vs, lens, q_lens)])
     out = attn(0, torch.cat(qs), new_k, new_v)
-    ref = torch.cat([attend(q, k, v) for q, k, v in zip(qs, ks, vs)])
+    ref = torch.cat([attend(q, dequantized(k, kv_dtype), dequantized(v, kv_dtype)) for q, k, v in zip(qs, ks, vs)])
     assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
 
 

@@ -1,0 +1,201 @@
+"""Chapter 07: KV-cache quantization (kv_dtype="int8" / "fp8").
+
+Lossy, so never compared with its own earlier output: the formats' round trips against their definitions (int8: half
+a step of amax/127; fp8 e4m3: 3 mantissa bits), the pool's bytes (scales counted) against arithmetic, block moves
+(copy-on-write, transfers) carrying the scales, the config's refusals, and quality on held-out text against the model's
+own dtype within the chapter's measured table. Paged attention over a quantized pool against `attend` on dequantized
+K/V is in tests/test_paged_radix.py, and the engine's scheduling properties with each format in tests/test_engine.py.
+"""
+import os
+from types import SimpleNamespace
+import pytest, torch
+if not torch.cuda.is_available(): os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+from minfer.kvquant import KV_FORMATS, QuantizedKVCache, kv_cache_from_budget, kv_quality, kv_token_bytes
+from minfer.paged import PagedKVCache
+from minfer.engine import EngineConfig
+
+CFG = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=3, head_dim=64)
+
+
+def sample(n=200, seed=0):
+    "Key-like vectors: mostly N(0, 1), some channels 20x larger (the outliers real keys have), one all-zero vector."
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, CFG.num_key_value_heads, CFG.head_dim, generator=g)
+    x[:, :, 5] *= 20
+    x[7] = 0
+    return x
+
+
+def test_int8_round_trip_is_within_half_a_step():
+    x = sample()
+    codes, scales = KV_FORMATS["int8"].quantize(x)
+    step = x.abs().amax(-1, keepdim=True) / 127
+    assert codes.dtype == torch.int8 and scales.shape == x.shape[:-1]
+    err = (KV_FORMATS["int8"].dequantize(codes, scales) - x).abs()
+    assert (err <= step / 2 + 1e-6).all()
+    assert codes.abs().amax(-1)[x.abs().amax(-1) > 0].eq(127).all()  # the largest element uses the full range
+    assert torch.equal(KV_FORMATS["int8"].dequantize(codes, scales)[7], x[7])  # zeros stay zeros, no NaN
+
+
+def test_fp8_round_trip_keeps_three_mantissa_bits():
+    x = sample()
+    codes, scales = KV_FORMATS["fp8"].quantize(x)
+    assert codes.dtype == torch.float8_e4m3fn
+    scale = scales[..., None]
+    err = (KV_FORMATS["fp8"].dequantize(codes, scales) - x).abs()
+    # e4m3: relative rounding error <= 2^-4 for normal numbers; below 2^-6 (subnormal) the spacing is 2^-9 (of the scale)
+    assert (err <= torch.maximum(x.abs() * 2**-4, scale * 2**-10) * (1 + 1e-6)).all()
+    assert torch.isfinite(KV_FORMATS["fp8"].dequantize(codes, scales)).all()
+
+
+@pytest.mark.parametrize("kv_dtype", list(KV_FORMATS))
+def test_block_bytes_count_the_scales_and_the_pool_holds_more(kv_dtype):
+    per_block = QuantizedKVCache.block_bytes(CFG, 16, kv_dtype=kv_dtype)
+    assert per_block == 16 * 2 * 2 * 3 * (64 * 1 + 4)  # tokens x (K, V) x layers x heads x (codes + one fp32 scale)
+    budget = 10 * 2**20
+    cache = kv_cache_from_budget(CFG, budget, 16, torch.bfloat16, kv_dtype=kv_dtype)
+    assert cache.num_blocks == budget // per_block and cache.nbytes == cache.num_blocks * per_block
+    bf16 = PagedKVCache.from_budget(CFG, budget, 16, torch.bfloat16)
+    assert cache.num_blocks >= 1.8 * bf16.num_blocks  # the issue's target: 1.88x here (2 * 64 / 68)
+    assert kv_token_bytes(CFG, kv_dtype) * 16 == per_block and kv_token_bytes(CFG, "bfloat16") == 2 * 2 * 3 * 64 * 2
+
+
+@pytest.mark.parametrize("kv_dtype", list(KV_FORMATS))
+def test_copy_on_write_and_transfers_move_codes_and_scales(kv_dtype):
+    a = QuantizedKVCache(CFG, 4, 4, kv_dtype=kv_dtype)
+    k, v = sample(8, 1), sample(8, 2)
+    for layer in range(2): a.store(layer, torch.arange(8), k * (layer + 1), v)  # blocks 0 and 1
+    read = lambda c, layer, block: [x.view(-1, 3, 64)[block * 4:block * 4 + 4] for x in c.layer(layer)]
+    a.copy_blocks([(1, 3)])
+    for layer in range(2):
+        for x, y in zip(read(a, layer, 1), read(a, layer, 3)): assert torch.equal(x, y)
+    b = QuantizedKVCache(CFG, 2, 4, kv_dtype=kv_dtype)
+    b.write_blocks([1, 0], a.read_blocks([0, 1]))
+    for layer in range(2):
+        for x, y in zip(read(a, layer, 0), read(b, layer, 1)): assert torch.equal(x, y)
+        # the reads are the round trip of what was stored (the scales came along)
+        assert torch.allclose(read(b, layer, 0)[0], KV_FORMATS[kv_dtype].dequantize(*KV_FORMATS[kv_dtype].quantize(k[4:] * (layer + 1))))
+
+
+@pytest.mark.parametrize("switches, message", [
+    (dict(kv_dtype="int8", kernels="step"), "kernels='step' reads K/V in the model's dtype"),
+    (dict(kv_dtype="fp8", attention="cpu"), "attention='cpu' does not read kv_dtype='fp8'"),
+    (dict(kv_dtype="fp8", attention="triton"), "attention='triton' does not read kv_dtype='fp8'"),
+    (dict(kv_dtype="fp8", kv="contiguous", kernels="cpu"), "needs kv='paged'"),
+    (dict(kv_dtype="float16"), "stored in the model's dtype"),
+    (dict(kv_dtype="int3"), "kv_dtype='int3' is not supported"),
+])
+def test_combinations_a_backend_cannot_run_are_refused_in_one_line(model_dir, switches, message):
+    with pytest.raises(ValueError, match=message) as e: EngineConfig(model_dir, **switches).resolve()
+    assert "\n" not in str(e.value)
+
+
+def test_auto_picks_what_reads_the_format(model_dir):
+    from minfer.cpu_kernels import cpu_kernels_available
+    c = EngineConfig(model_dir, kv_dtype="int8", device="cpu").resolve()
+    assert (c.kv_dtype, c.attention) == ("int8", "cpu" if cpu_kernels_available() else "torch") and c.kernels != "step"
+    c = EngineConfig(model_dir, kv_dtype="fp8", device="cpu").resolve()
+    assert (c.kv_dtype, c.attention) == ("fp8", "torch") and c.kernels != "step"
+
+
+def test_engine_runs_int8_and_its_bytes_per_token_count_the_smaller_kv(model_dir):
+    from minfer.llm import LLM
+    from minfer.sequence import SamplingParams
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    outs = {kv: LLM(model_dir, kv_dtype=kv, kernels="cpu", attention="torch").generate("Paris is", sp, raw=True)[0]
+            for kv in ("auto", "int8")}
+    assert len(outs["int8"].samples[0].token_ids) == 4
+    b = {kv: o.samples[0].metrics["bytes_per_token"] for kv, o in outs.items()}
+    assert b["int8"] < b["auto"]
+
+
+@pytest.fixture(scope="module")
+def quality(model, tokenizer):
+    from minfer.awq import text_path
+    ids = tokenizer.encode(text_path("evaluation.txt").read_text())[:256]
+    return kv_quality(model, ids, chunk=32)
+
+
+def test_quality_on_held_out_text_within_the_measured_table(quality):
+    """256 tokens of data/text/evaluation.txt in chunks of 32 (later chunks read stored, quantized KV). The chapter's
+    table (1,024 tokens) measured int8 +0.02% perplexity, fp8 +1.2%; on these 256 tokens +0.15% and +2.0%. Bounds: the
+    issue's targets for int8 (0.5%); fp8 2.5% on this short text (target 1.5%, met on the 1,024-token table)."""
+    assert abs(quality["int8"]["ppl_change_pct"]) < 0.5 and quality["int8"]["kl_mean"] < 0.002
+    assert abs(quality["fp8"]["ppl_change_pct"]) < 2.5 and quality["fp8"]["kl_mean"] < 0.01
+    assert quality["int8"]["same_top1"] > 0.97 and quality["fp8"]["same_top1"] > 0.93
+    assert quality["int8"]["kl_mean"] < quality["fp8"]["kl_mean"]  # 8 bits of mantissa-like steps beat 3
+
+
+def dequantized(x): return KV_FORMATS["int8"].dequantize(*KV_FORMATS["int8"].quantize(x))
+
+
+def triton_int8_decode_case(dtype, device, lens, H=2, Hq=6, D=16, bs=4, num_splits=None, seed=0):
+    "Random int8 pool (NaN scales where nothing was stored), one decode token per sequence: Triton vs attend on dequantized."
+    from minfer.flash import decode_attention
+    from minfer.model import attend
+    g = torch.Generator().manual_seed(seed)
+    cfg = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=H, head_dim=D)
+    nblocks = sum(-(-n // bs) for n in lens) + 2
+    cache = QuantizedKVCache(cfg, nblocks, bs, dtype=dtype, device=device, kv_dtype="int8")
+    cache.k_scale.fill_(float("nan")); cache.v_scale.fill_(float("nan"))
+    ids = torch.randperm(nblocks, generator=g).tolist()
+    tables, ks, vs = [], [], []
+    for n in lens:
+        nb = -(-n // bs); tables.append(ids[:nb]); ids = ids[nb:]
+        k, v = torch.randn(n, H, D, generator=g), torch.randn(n, H, D, generator=g)
+        slots = torch.tensor([tables[-1][p // bs] * bs + p % bs for p in range(n)], device=device)
+        cache.store(0, slots, k.to(device), v.to(device)); ks.append(k); vs.append(v)
+    q = torch.randn(len(lens), Hq, D, generator=g)
+    width = max(map(len, tables))
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
+    kc, vc = cache.layer(0)
+    out = decode_attention(q.to(device, dtype), kc.codes, vc.codes, bt, torch.tensor(lens, dtype=torch.int32, device=device),
+                           num_splits=num_splits, k_scale=kc.scales, v_scale=vc.scales)
+    ref = torch.cat([attend(q[i:i + 1], dequantized(ks[i]), dequantized(vs[i])) for i in range(len(lens))])
+    return out.float().cpu(), ref
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 1e-2)])
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_triton_decode_reads_int8_tile_by_tile(dtype, tol, num_splits):
+    "Chapter 05's decode kernel on an int8 pool (interpreter on a CPU: fp32/fp16, small shapes) == attend on dequantized."
+    if torch.cuda.is_available(): pytest.skip("the compiled version is test_triton_int8_decode_compiled")
+    out, ref = triton_int8_decode_case(dtype, "cpu", [11, 1, 29, 6], num_splits=num_splits)
+    assert torch.allclose(out, ref, atol=tol), (out - ref).abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-2), (torch.float16, 1e-2), (torch.bfloat16, 3e-2)])
+def test_triton_int8_decode_compiled(dtype, tol):
+    out, ref = triton_int8_decode_case(dtype, "cuda", [517, 1, 2048, 33, 300], H=8, Hq=32, D=128, bs=16)
+    assert torch.allclose(out, ref, atol=tol), (out - ref).abs().max()
+
+
+def test_triton_refuses_an_int8_pool_without_scales():
+    from minfer.flash import decode_attention
+    cache = QuantizedKVCache(CFG, 2, 4, kv_dtype="int8")
+    with pytest.raises(ValueError, match="k_scale"):
+        decode_attention(torch.zeros(1, 3, 64), cache.k[0], cache.v[0], torch.zeros(1, 1, dtype=torch.int32),
+                         torch.ones(1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_cpu_kernel_reads_int8(dtype, tol):
+    "Chapter 05b's C++ decode over an int8 pool (`paged_decode_q8`) == chapter 03's reference on the same pool."
+    from minfer.cpu_kernels import CpuAttention, cpu_kernels_available
+    from minfer.paged import PagedAttention, build_batch_meta
+    if not cpu_kernels_available(): pytest.skip("no C++ compiler")
+    g = torch.Generator().manual_seed(0)
+    cache = QuantizedKVCache(CFG, 40, 16, dtype=dtype, kv_dtype="int8")
+    cache.k_scale.fill_(float("nan")); cache.v_scale.fill_(float("nan"))  # never written: must never be read
+    tables, lens = [[5, 2, 7], [0, 3, 9, 11, 12], [4]], [41, 70, 3]
+    for t, n in zip(tables, lens):
+        slots = torch.tensor([t[p // 16] * 16 + p % 16 for p in range(n - 1)])
+        cache.store(1, slots, torch.randn(n - 1, 3, 64, generator=g), torch.randn(n - 1, 3, 64, generator=g))
+    q, k, v = (torch.randn(3, h, 64, generator=g).to(dtype) for h in (9, 3, 3))
+    outs = []
+    for cls in (CpuAttention, PagedAttention):  # the kernel's call stores the new K/V too; the reference writes them again
+        a = cls(cache); a.meta = build_batch_meta([(t, n - 1, 1) for t, n in zip(tables, lens)], 16)
+        outs.append(a(1, q, k, v).float())
+    assert torch.isfinite(outs[0]).all() and torch.allclose(*outs, atol=tol), (outs[0] - outs[1]).abs().max()
