@@ -20,6 +20,13 @@ ROOT = Path(__file__).resolve().parent.parent
 DECODE_BLOCKS = 24  # a small decode pool (384 tokens), so that requests have to wait for room in it
 
 
+def gone(pids, within=10.0):
+    "Whether every process in `pids` has exited within `within` seconds (a worker takes a moment to shut down)."
+    deadline = time.perf_counter() + within
+    while any(alive(p) for p in pids) and time.perf_counter() < deadline: time.sleep(0.1)
+    return not any(alive(p) for p in pids)
+
+
 def alive(pid):
     "A process that exists and is not a zombie."
     try: return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
@@ -195,3 +202,34 @@ def test_no_worker_outlives_the_program(tmp_path):
     pids = [int(p) for p in out.stdout.split("\n")[0].split()]
     time.sleep(0.5)
     assert len(pids) == 2 and not any(alive(p) for p in pids)
+
+
+def test_serve_pd_split(tok, colocated):
+    "`minfer serve --pd-split`: the OpenAI API answers with the co-located engine's greedy text; SIGTERM leaves no worker."
+    import httpx, psutil, re, threading
+    cmd = [sys.executable, "-m", "minfer.serve", "--host", "127.0.0.1", "--port", "0", "--pd-split"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    try:
+        log, url, deadline = [], None, time.time() + 300
+        while url is None:
+            line = proc.stderr.readline()
+            assert line and time.time() < deadline, "the server did not start:\n" + "".join(log)
+            log.append(line)
+            if m := re.search(r"ready on (http://\S+)", line): url = m.group(1)
+        threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
+        workers = [c.pid for c in psutil.Process(proc.pid).children(recursive=True) if "spawn" in " ".join(c.cmdline())]
+        assert len(workers) == 2, workers
+        prompt = "The three primary colors are"
+        r = httpx.post(url + "/v1/completions", timeout=120, json=dict(model="smollm2-135m-instruct", prompt=prompt, max_tokens=12,
+                                                                      temperature=0))
+        assert r.status_code == 200, r.text
+        want = reference(colocated, [tok.encode(prompt)], 12)[0]
+        text = r.json()["choices"][0]["text"]
+        assert tok.encode(prompt + text)[len(tok.encode(prompt)):] == want or text == tok.decode(want)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    t = time.perf_counter()
+    assert gone(workers), "a worker outlived the server"
+    print(f"workers gone {time.perf_counter() - t:.1f} s after the server", "".join(log[-5:]))
