@@ -308,6 +308,7 @@ class DisaggEngine:
         if need > self.cache.num_blocks:
             raise ValueError(f"request needs {need} KV blocks (prompt + max_tokens = {seq.max_len} tokens), the pool "
                              f"has {self.cache.num_blocks}; shorten it or raise kv_cache_bytes")
+        if not self.seqs: self._last_news = time.perf_counter()  # silence counts only while requests are in flight
         for s in (seq, *forks): self.seqs[s.id] = s
         self.forks[seq.id] = list(forks)
         post(self.inboxes["prefill"], "add", portable(seq), [portable(f) for f in forks])

@@ -153,6 +153,18 @@ def test_abort_mid_transfer_loses_nothing(split, colocated, tok):
     assert stats["prefill"]["blocks_in_use"] == stats["prefill"]["cached_blocks"]
 
 
+def test_idle_time_is_not_silence(split, tok):
+    "The no-news timeout counts only while requests are in flight: a request after a long idle pause runs normally."
+    timeout, split.timeout = split.timeout, 3.0
+    try:
+        time.sleep(3.5)
+        s, f = greedy(tok.encode("Hello"), 2)
+        run(split, [(s, f)])
+        assert len(s.output_ids) == 2
+    finally:
+        split.timeout = timeout
+
+
 def test_bad_request_is_one_line_and_engine_stays_usable(split, tok):
     seq, _ = greedy(list(range(10, 10 + DECODE_BLOCKS * 16)), 8)
     with pytest.raises(ValueError, match="KV blocks"): split.add(seq)
