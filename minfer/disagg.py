@@ -39,7 +39,7 @@ def take_messages(q, wait=0.0):
     return msgs
 
 def portable(seq):
-    "A copy of `seq` that can cross to another process: its tokens and state, not its blocks, prefix-cache node or forks."
+    "A copy of `seq` that can cross to another process: its tokens and state; not its blocks, radix node or forks."
     c = copy.copy(seq)
     c.block_table, c.radix_node, c.forks, c.output_ids = None, None, [], list(seq.output_ids)
     return c
@@ -83,7 +83,11 @@ class Worker:
         post(outbox, "ready", role, os.getpid(), self.cache.num_blocks, self.cache.block_size)
 
     def run(self):
+        beat = 0.0
         while os.getppid() == self.parent:  # the front process died (even by SIGKILL): leave rather than linger
+            if time.perf_counter() - beat > 1.0:  # a heartbeat: the front process tells a stuck worker from an idle one
+                post(self.outbox, "beat", self.role)
+                beat = time.perf_counter()
             for msg in take_messages(self.inbox, wait=self.idle_wait()):
                 if msg[0] == "stop": return
                 if msg[0] == "stats": post(self.outbox, "stats", self.role, self.stats())
@@ -277,15 +281,15 @@ class DisaggEngine:
     pulls its KV blocks straight from the prefill worker over torch.distributed; tokens stream back here.
     Every wait has a timeout; a worker that dies ends the requests in flight with finish_reason='error' and a
     `WorkerDied` from `step()`, after which the engine is closed. `close()` (or exit) stops both workers."""
-    def __init__(self, config, *, timeout=30.0, start_timeout=300.0, prefill_overrides=None, decode_overrides=None):
+    def __init__(self, config, *, timeout=60.0, start_timeout=300.0, prefill_overrides=None, decode_overrides=None):
         self.config, self.timeout = config, timeout
         ctx = mp.get_context("spawn")
         self.inboxes, self.outbox = {r: ctx.Queue() for r in ROLES}, ctx.Queue()
-        options = dict(timeout=timeout, prefill_overrides=prefill_overrides or {}, decode_overrides=decode_overrides or {})
+        options = dict(timeout=timeout, prefill_overrides=prefill_overrides or {},
+                       decode_overrides=decode_overrides or {})
         port, other = free_port(), dict(zip(ROLES, reversed(ROLES)))
-        self.procs = {r: ctx.Process(target=worker_main, name=f"minfer-{r}", daemon=True,
-                                     args=(r, config, port, self.inboxes[r], self.outbox, self.inboxes[other[r]], options))
-                      for r in ROLES}
+        args = lambda r: (r, config, port, self.inboxes[r], self.outbox, self.inboxes[other[r]], options)
+        self.procs = {r: ctx.Process(target=worker_main, name=f"minfer-{r}", daemon=True, args=args(r)) for r in ROLES}
         for p in self.procs.values(): p.start()
         # stops the workers on close(), garbage collection or interpreter exit, whichever comes first
         self._finalizer = weakref.finalize(self, stop_workers, self.procs, [*self.inboxes.values(), self.outbox])
@@ -334,7 +338,7 @@ class DisaggEngine:
         for r, p in self.procs.items():
             if not p.is_alive(): self._fail(f"the {r} worker (pid {p.pid}) exited with code {p.exitcode}")
         if self.seqs and time.perf_counter() - self._last_news > self.timeout:
-            self._fail(f"no news from the workers for {self.timeout:.0f} s")
+            self._fail(f"no news (not even a heartbeat) from the workers for {self.timeout:.0f} s")
         return got
 
     def _handle(self, msgs):
@@ -344,6 +348,7 @@ class DisaggEngine:
             if kind == "tokens": got += self._on_tokens(*args)
             elif kind == "prefilled": self._on_prefilled(*args)
             elif kind == "failed": self._end([self.seqs[i] for i in args[0] if i in self.seqs], args[1])
+            elif kind == "beat": pass  # its arrival is the news
             elif kind == "ready": self.worker_info[args[0]] = dict(pid=args[1], num_blocks=args[2], block_size=args[3])
             elif kind == "stats": self._stats[args[0]] = args[1]
             elif kind == "error": self._fail(f"the {args[0]} worker failed: {args[1]}")

@@ -104,7 +104,8 @@ def test_greedy_matches_colocated_with_prefix_hits_and_forks(split, colocated, t
     assert pairs[3][0].metrics.num_cached_tokens == 32  # a prefix-cache hit on the prefill side
     stats = split.worker_stats()
     assert stats["prefill"]["cached_blocks"] > 0
-    assert stats["decode"]["blocks_in_use"] == 0 and stats["prefill"]["blocks_in_use"] == stats["prefill"]["cached_blocks"]
+    assert stats["decode"]["blocks_in_use"] == 0
+    assert stats["prefill"]["blocks_in_use"] == stats["prefill"]["cached_blocks"]
 
 
 def test_transfer_log_moves_whole_blocks(split, tok, config):
@@ -217,7 +218,7 @@ def test_no_worker_outlives_the_program(tmp_path):
 
 
 def test_serve_pd_split(tok, colocated):
-    "`minfer serve --pd-split`: the OpenAI API answers with the co-located engine's greedy text; SIGTERM leaves no worker."
+    "`minfer serve --pd-split`: the API answers with the co-located engine's greedy text; SIGTERM leaves no worker."
     import httpx, psutil, re, threading
     cmd = [sys.executable, "-m", "minfer.serve", "--host", "127.0.0.1", "--port", "0", "--pd-split"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -233,8 +234,8 @@ def test_serve_pd_split(tok, colocated):
         workers = [c.pid for c in psutil.Process(proc.pid).children(recursive=True) if "spawn" in " ".join(c.cmdline())]
         assert len(workers) == 2, workers
         prompt = "The three primary colors are"
-        r = httpx.post(url + "/v1/completions", timeout=120, json=dict(model="smollm2-135m-instruct", prompt=prompt, max_tokens=12,
-                                                                      temperature=0))
+        r = httpx.post(url + "/v1/completions", timeout=120, json=dict(model="smollm2-135m-instruct",
+                                                                      prompt=prompt, max_tokens=12, temperature=0))
         assert r.status_code == 200, r.text
         want = reference(colocated, [tok.encode(prompt)], 12)[0]
         text = r.json()["choices"][0]["text"]
