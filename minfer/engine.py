@@ -6,7 +6,8 @@ Docs: https://minfer.github.io/minfer/engine.html.md"""
 
 # %% auto #0
 __all__ = ['ATTENTION_BACKENDS', 'CONFIG_RULES', 'KERNELS', 'ModelRunner', 'attention_class', 'LLMEngine', 'step', 'EngineConfig',
-           'build_model', 'build_engine', 'make_workload', 'serve', 'workload_sequence', 'summarize', 'plot_gantt']
+           'parse_cores', 'usable_cores', 'build_model', 'build_engine', 'make_workload', 'serve', 'workload_sequence',
+           'summarize', 'plot_gantt']
 
 # %% ../nbs/08b_engine.ipynb #eca06449
 import importlib, math, os, random, time
@@ -170,7 +171,9 @@ class EngineConfig:
     kv_dtype: str = _switch("auto", "KV cache storage: auto = the model's dtype; int8, fp8 quantized (ch. 07)",
                             ("auto", *DTYPES, *KV_FORMATS))
     speculative: str | None = _switch(None, "speculative decoding (ch. 09, not written yet)", (None,))
-    pd_split: bool = _switch(False, "prefill and decode on separate workers (ch. 10, not written yet)", (False,))
+    pd_split: bool = _switch(False, "prefill and decode on separate worker processes, KV sent between them (ch. 10)")
+    prefill_cores: str = _switch("auto", "CPU ids of the prefill worker (pd_split), e.g. '0' or '0-3'; auto: first half")
+    decode_cores: str = _switch("auto", "CPU ids of the decode worker (pd_split), e.g. '1'; auto: the other half")
     prefix_cache: bool = _switch(False, "reuse the KV of earlier prompts' shared prefixes (ch. 04; kv=paged)")
     chunked_prefill: bool = _switch(True, "split long prompts over steps under the token budget (ch. 08a)")
     block_size: int = _switch(16, "tokens per KV block (ch. 03)")
@@ -223,11 +226,36 @@ class EngineConfig:
             if self.kv_dtype in KV_FORMATS and self.kv_dtype not in attention_class(attention).kv_dtypes:
                 attention = "torch"  # chapter 03's reference reads every KV format (dequantizing)
         kv_dtype = dtype if self.kv_dtype == "auto" else self.kv_dtype
+        prefill_cores, decode_cores = self.prefill_cores, self.decode_cores
+        if self.pd_split:  # chapter 10: each worker gets half of the cores this process may use (at least one)
+            cores = usable_cores()
+            half = max(1, len(cores) // 2)
+            if prefill_cores == "auto": prefill_cores = ",".join(map(str, cores[:half]))
+            if decode_cores == "auto": decode_cores = ",".join(map(str, cores[half:] or cores))
         resolved = replace(self, model=model, device=device, dtype=dtype, weights=weights, kernels=kernels,
-                           attention=attention, kv_dtype=kv_dtype)
+                           attention=attention, kv_dtype=kv_dtype, prefill_cores=prefill_cores, decode_cores=decode_cores)
         for refuses, message in CONFIG_RULES:
             if refuses(resolved): raise ValueError(message(resolved))
         return resolved
+
+def parse_cores(spec):
+    "CPU ids from '0', '0-3' or '0,2-3' -> [0, 1, 2, 3] (sorted, unique); ValueError for anything else."
+    ids = set()
+    try:
+        for part in str(spec).split(","):
+            lo, _, hi = part.strip().partition("-")
+            ids.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError: ids = set()
+    if not ids or min(ids) < 0: raise ValueError(f"{spec!r} is not a list of CPU ids; use e.g. '0', '0-3' or '0,2'")
+    return sorted(ids)
+
+def usable_cores():
+    "The CPU ids this process may run on."
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count()))
+
+def _bad_cores(spec):
+    try: return not set(parse_cores(spec)) <= set(usable_cores())
+    except ValueError: return True
 
 def _no_compiler(): return "" if cxx_compiler() else ", and no C++ compiler is on PATH"
 
@@ -281,6 +309,13 @@ CONFIG_RULES = [
                and (os.environ.get("TRITON_INTERPRET") != "1" or c.dtype == "bfloat16"),
      lambda c: "attention='triton' on a CPU runs only in Triton's interpreter (TRITON_INTERPRET=1, set before triton "
                "is imported; float32 or float16: it computes bfloat16 wrongly); use attention='torch'"),
+    (lambda c: not c.pd_split and (c.prefill_cores, c.decode_cores) != ("auto", "auto"),
+     lambda c: "prefill_cores / decode_cores place the workers of pd_split=True; set pd_split=True or leave them 'auto'"),
+    (lambda c: c.pd_split and c.kv != "paged",
+     lambda c: f"pd_split=True moves paged KV blocks between workers: it needs kv='paged' (got kv={c.kv!r})"),
+    (lambda c: c.pd_split and c.device == "cpu" and (_bad_cores(c.prefill_cores) or _bad_cores(c.decode_cores)),
+     lambda c: f"prefill_cores={c.prefill_cores!r} / decode_cores={c.decode_cores!r}: use CPU ids this process may run "
+               f"on, e.g. '0' or '0-3' (here: {usable_cores()})"),
 ]
 
 # how each `kernels` choice changes a loaded model (chapters 05b and 05c switch the modules' classes)

@@ -18,6 +18,7 @@ from .model import ModelConfig, Tokenizer, check_model_folder
 from .awq import quantize_folder  # registers chapter 06's `awq-int4` weight format too
 from .sequence import SamplingParams, Sequence
 from .engine import EngineConfig, build_model, build_engine
+from .disagg import DisaggEngine  # chapter 10: pd_split=True
 from .cpu_step import StepLlama
 from .roofline import decode_bytes_per_token
 
@@ -61,14 +62,22 @@ class LLM:
         self.model_dir = Path(self.config.model)
         self.model_config = ModelConfig.from_folder(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)
-        self.model = build_model(self.config)
-        self.engine = build_engine(self.config, self.model)
+        # pd_split (chapter 10): the workers load the model; this process only routes and detokenizes
+        self.model = None if self.config.pd_split else build_model(self.config)
+        self.engine = DisaggEngine(self.config) if self.config.pd_split else build_engine(self.config, self.model)
         eos = set(self.model_config.eos_token_id)
         if self.tokenizer.eos_token_id is not None: eos.add(self.tokenizer.eos_token_id)
         self.eos_ids = tuple(sorted(eos))
-        with torch.inference_mode():  # first-call setup (thread pools, kernels) should not count as the first request's TTFT
-            dev = self.config.device
-            self.model(torch.tensor([0], device=dev), torch.tensor([0], device=dev), lambda l, q, k, v: q)
+        if self.model is not None:
+            with torch.inference_mode():  # first-call setup (thread pools, kernels) should not count as the first request's TTFT
+                dev = self.config.device
+                self.model(torch.tensor([0], device=dev), torch.tensor([0], device=dev), lambda l, q, k, v: q)
+
+    def close(self):
+        "Stop the engine's worker processes (pd_split=True; they also stop at exit); a no-op for in-process engines."
+        if hasattr(self.engine, "close"): self.engine.close()
+    def __enter__(self): return self
+    def __exit__(self, *exc): self.close()
 
     def __getattr__(self, name):
         "The resolved switches read as attributes too: `llm.dtype`, `llm.kernels`, ... (what runs, not what was asked)."

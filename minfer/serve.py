@@ -799,6 +799,7 @@ def serve_main(args):
           file=sys.stderr, flush=True)
     config = uvicorn.Config(server.app, log_level=args.log_level, timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[sock])
+    llm.close()  # pd_split=True: stop the worker processes (chapter 10)
     return 0
 
 def main(argv=None):
