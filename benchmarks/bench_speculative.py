@@ -85,11 +85,13 @@ def main(argv=None):
                 m = [o.metrics for o in outs]
                 drafted = sum(x["acceptance_rate"] is not None for x in m)
                 stats[(name, w, b)] = dict(
-                    acceptance=statistics.mean([x["acceptance_rate"] for x in m if x["acceptance_rate"] is not None] or [0]),
+                    acceptance=statistics.mean([x["acceptance_rate"] for x in m
+                                                if x["acceptance_rate"] is not None] or [0]),
                     tokens_per_pass=statistics.mean([x["tokens_per_pass"] for x in m if x["tokens_per_pass"]] or [1]),
                     requests_with_guesses=drafted, tokens=n)
                 print(f"repeat {r}: {w:10s} batch {b}: {name:8s} {n / dt:7.2f} tok/s  acceptance "
-                      f"{stats[(name, w, b)]['acceptance']:.2f}  tokens/pass {stats[(name, w, b)]['tokens_per_pass']:.2f}",
+                      f"{stats[(name, w, b)]['acceptance']:.2f}  "
+                      f"tokens/pass {stats[(name, w, b)]['tokens_per_pass']:.2f}",
                       flush=True)
     res = {w: {str(b): {} for b in (1, 8)} for w in work}
     for (name, w, b), v in times.items():
@@ -109,7 +111,8 @@ def main(argv=None):
              "prompts in one `generate` call",
              "- every speculative run's tokens were identical to the run without speculation (asserted)",
              f"- floor for scale: batch-1 decode cannot beat {bw / 1e9:.1f} GB/s / 538 MB of fp32 weights = "
-             f"{floor:.0f} tok/s without speculation; speculation beats it by producing several tokens per weight stream",
+             f"{floor:.0f} tok/s without speculation; speculation beats it by producing several tokens per "
+             "weight stream",
              "", "| workload | batch | config | tok/s | speedup | acceptance | tokens / target pass |",
              "|---|---|---|---|---|---|---|"]
     for w in work:
@@ -118,8 +121,8 @@ def main(argv=None):
                 x = res[w][b][name]
                 lines.append(f"| {w} | {b} | {name} | {x['tokens_per_s']:.1f} | {x['speedup']:.2f}x | "
                              f"{x['acceptance']:.2f} | {x['tokens_per_pass']:.2f} |")
-    lines += ["", "Targets (issue 16): n-gram >= 1.5x batch-1 tokens/s on the copy-heavy workload with identical greedy "
-              "output; adaptive k never more than 5% slower than no speculation on the open-ended one."]
+    lines += ["", "Targets (issue 16): n-gram >= 1.5x batch-1 tokens/s on the copy-heavy workload with identical "
+              "greedy output; adaptive k never more than 5% slower than no speculation on the open-ended one."]
     report = "\n".join(lines) + "\n"
     print(report)
     if a.record:

@@ -56,8 +56,8 @@ class ModelRunner:
         tables = [(s.block_table, s.num_computed + i, 1) if s.draft_ids else (s.block_table, s.num_computed, n)
                   for s, n in batch for i in range(n if s.draft_ids else 1)]
         self.attn.meta = build_batch_meta(tables, self.cache.block_size, dev)
-        tokens = torch.tensor([t for s, n in batch for t in (s.token_ids + s.draft_ids)[s.num_computed:s.num_computed + n]],
-                              device=dev)
+        tokens = [t for s, n in batch for t in (s.token_ids + s.draft_ids)[s.num_computed:s.num_computed + n]]
+        tokens = torch.tensor(tokens, device=dev)
         positions = torch.cat([torch.arange(s.num_computed, s.num_computed + n, device=dev) for s, n in batch])
         rows, start = [], 0
         for s, n in batch:
@@ -206,8 +206,10 @@ def speculative_config(value):
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"speculative {name}={n!r} is invalid; use an integer >= 1")
     if v.prompt_lookup_max < v.prompt_lookup_min:
-        raise ValueError(f"speculative prompt_lookup_max={v.prompt_lookup_max} < prompt_lookup_min={v.prompt_lookup_min}")
-    if not isinstance(v.adaptive, bool): raise ValueError(f"speculative adaptive={v.adaptive!r} is invalid; use True or False")
+        raise ValueError(f"speculative prompt_lookup_max={v.prompt_lookup_max} < "
+                         f"prompt_lookup_min={v.prompt_lookup_min}")
+    if not isinstance(v.adaptive, bool):
+        raise ValueError(f"speculative adaptive={v.adaptive!r} is invalid; use True or False")
     if v.model is not None and v.method != "draft":
         raise ValueError(f"speculative model={v.model!r} is for method 'draft' only (got {v.method!r})")
     return v
@@ -227,7 +229,8 @@ def _resolve_draft(spec, target):
     same_tokens = (Path(folder) / "tokenizer.json").read_bytes() == (Path(target) / "tokenizer.json").read_bytes()
     if mine != theirs or not same_tokens:
         raise ValueError(f"draft model {str(folder)!r} has another vocabulary than the target ({mine} tokens vs "
-                         f"{theirs}{'' if same_tokens else ', different tokenizer.json'}); use a draft with the target's tokenizer")
+                         f"{theirs}{'' if same_tokens else ', different tokenizer.json'}); "
+                         "use a draft with the target's tokenizer")
     return replace(spec, model=str(folder))
 
 @dataclass(frozen=True)
@@ -349,7 +352,8 @@ CONFIG_RULES = [
      lambda c: "attention='triton' on a CPU runs only in Triton's interpreter (TRITON_INTERPRET=1, set before triton "
                "is imported; float32 or float16: it computes bfloat16 wrongly); use attention='torch'"),
     (lambda c: c.speculative is not None and c.kv != "paged",
-     lambda c: f"speculative decoding verifies guesses in the paged engine's batches; it needs kv='paged' (got kv={c.kv!r})"),
+     lambda c: f"speculative decoding verifies guesses in the paged engine's batches; it needs kv='paged' "
+               f"(got kv={c.kv!r})"),
     (lambda c: c.kv_dtype != c.dtype,
      lambda c: f"kv_dtype={c.kv_dtype!r}: the KV cache is stored in the model's dtype ({c.dtype!r}); "
                "use kv_dtype='auto'"),

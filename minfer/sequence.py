@@ -116,7 +116,7 @@ class Sequence:
     def finished(self): return self.status in ("finished", "aborted")
 
     def token_generator(self, ahead=0):
-        "The random generator for the next token (`ahead` more: a later one): seeded by (seed, its index in the output)."
+        "The random generator for the next token (or one `ahead` of it): seeded by (seed, its index in the output)."
         return torch.Generator().manual_seed((self.seed * 1_000_003 + len(self.output_ids) + ahead) % 2**63)
 
     def append(self, token, logprobs=None):

@@ -41,7 +41,8 @@ def rejection_sample(target_probs, draft_ids, draft_probs, generators):
     position and one more; draft_ids: the k guesses; draft_probs [k, vocab]: the proposer's q (None: one-hot on the
     guess, as for n-gram); generators: k + 1 `torch.Generator`s, one per output position.
     Guess j is accepted with probability min(1, p(d) / q(d)); the first rejected one is replaced by a draw from
-    norm(max(0, p - q)); if all are accepted, a bonus token is drawn from the last p. -> the output tokens (1..k + 1)."""
+    norm(max(0, p - q)); if all are accepted, a bonus token is drawn from the last p.
+    -> the output tokens (1..k + 1)."""
     out = []
     for j, d in enumerate(draft_ids):
         p = target_probs[j]
@@ -70,7 +71,7 @@ def adaptive_k(alpha, k_max, row_cost=ROW_COST):
     return max(range(k_max + 1), key=lambda k: expected_tokens(alpha, k) / (1 + row_cost * k))
 
 def update_alpha(alpha, k, accepted, decay=0.8):
-    "A running acceptance rate: the geometric model's estimate from this step (accepted of k, then a rejection), averaged."
+    "A running acceptance rate: this step's geometric-model estimate (accepted of k, then a rejection), averaged."
     step = accepted / (accepted + (accepted < k))
     return step if alpha is None else decay * alpha + (1 - decay) * step
 
@@ -171,7 +172,8 @@ class DraftProposer:
                 if p.temperature == 0: s.draft_ids.append(int(row.argmax()))
                 else:
                     q = sampling_probs(row, p)
-                    g = torch.Generator().manual_seed((s.seed * 7_919 + len(s) + len(s.draft_ids)) % 2**63)  # own stream
+                    # the draft's own random stream, seeded by the request's seed and the guess's position
+                    g = torch.Generator().manual_seed((s.seed * 7_919 + len(s) + len(s.draft_ids)) % 2**63)
                     s.draft_ids.append(int(torch.multinomial(q, 1, generator=g)))
                     s.draft_probs.append(q)
             jobs = [(s, k, t) for s, k, t in jobs if len(s.draft_ids) < k]

@@ -60,8 +60,9 @@ def test_batch_greedy_equals_solo(model, tokenizer, k, budget, blocks, block_siz
 @pytest.mark.parametrize("switches", [dict(), dict(kernels="cpu", prefix_cache=True)], ids=["step", "cpu-prefix-cache"])
 def test_llm_greedy_identical_with_stops_and_lengths(model_dir, switches):
     "Through the LLM API: same tokens, text and finish reasons, incl. stop strings and EOS inside an accepted run."
-    plain, spec = LLM(model_dir, **switches), LLM(model_dir, speculative={"method": "ngram", "num_speculative_tokens": 8,
-                                                                          "prompt_lookup_min": 2}, **switches)
+    plain = LLM(model_dir, **switches)
+    spec = LLM(model_dir, speculative={"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2},
+               **switches)
     prompts = REPEATS + ["What is the capital of France?"]
     for params in [SamplingParams(max_tokens=n, ignore_eos=True) for n in (1, 5, 23)] + [
             SamplingParams(max_tokens=40, stop=[" 4,"]), SamplingParams(max_tokens=40, stop=["mat"]),
@@ -70,8 +71,10 @@ def test_llm_greedy_identical_with_stops_and_lengths(model_dir, switches):
         got = spec.generate(prompts, params, raw=True)
         for w, g in zip(want, got):
             assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason), params
-    assert spec.engine.cache.allocator.num_used == (spec.engine.scheduler.radix.num_blocks if spec.config.prefix_cache else 0)
-    assert spec.generate(REPEATS[0], SamplingParams(max_tokens=20, ignore_eos=True), raw=True)[0].metrics["tokens_per_pass"] > 1.5
+    radix = spec.engine.scheduler.radix
+    assert spec.engine.cache.allocator.num_used == (radix.num_blocks if radix else 0)
+    m = spec.generate(REPEATS[0], SamplingParams(max_tokens=20, ignore_eos=True), raw=True)[0].metrics
+    assert m["tokens_per_pass"] > 1.5
 
 def test_logprobs_with_speculation(model_dir):
     plain, spec = LLM(model_dir), LLM(model_dir, speculative="ngram")
@@ -81,7 +84,8 @@ def test_logprobs_with_speculation(model_dir):
     for a, b in zip(w.samples[0].logprobs, g.samples[0].logprobs):
         assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-3 for t in a)
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(max_examples=8, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(st.data())
 def test_random_arrivals_and_aborts_no_leak(model, tokenizer, data):
     "Random arrivals, aborts, budgets, pools, k: after every step each table holds exactly its computed tokens' blocks;"
@@ -158,7 +162,8 @@ def test_engine_stochastic_first_token_distribution(model, tokenizer):
     ids = tokenizer.encode(REPEATS[3])
     with torch.inference_mode():
         from minfer.kvcache import ContiguousKVCache
-        logits = model(torch.tensor(ids), torch.arange(len(ids)), ContiguousKVCache(model.cfg, len(ids)), logits_rows=[-1])[0]
+        cache = ContiguousKVCache(model.cfg, len(ids))
+        logits = model(torch.tensor(ids), torch.arange(len(ids)), cache, logits_rows=[-1])[0]
     params = SamplingParams(temperature=1.5, top_k=5, max_tokens=2, ignore_eos=True)
     from minfer.sampling import sampling_probs
     target = sampling_probs(logits, params)
@@ -183,7 +188,8 @@ def test_adaptive_greedy_equals_plain(model_dir):
                                                               "adaptive": True})
     p = SamplingParams(max_tokens=30, ignore_eos=True)
     prompts = REPEATS + TEXTS[:3]
-    assert [o.token_ids for o in spec.generate(prompts, p, raw=True)] == [o.token_ids for o in plain.generate(prompts, p, raw=True)]
+    want = [o.token_ids for o in plain.generate(prompts, p, raw=True)]
+    assert [o.token_ids for o in spec.generate(prompts, p, raw=True)] == want
 
 
 # ---- draft model -----------------------------------------------------------------------------------------------
