@@ -369,12 +369,13 @@ class CpuAttention(PagedAttention):
     kv_dtypes = ("auto", "int8")  # int8: chapter 07's pool, read by `paged_decode_q8`
     def __call__(self, layer, q, k, v):
         m, (k_pool, v_pool) = self.meta, (self.cache.k[layer], self.cache.v[layer])
-        if k_pool.dtype == torch.int8 and m.max_seqlen_q == 1 and q.shape[0] == len(m.seq_lens) and q.is_contiguous():
-            return self.decode_int8(layer, q, k, v)
+        if k_pool.dtype == torch.int8 and m.max_seqlen_q == 1 and q.shape[0] == len(m.seq_lens):
+            return self.decode_int8(layer, q.contiguous(), k, v)
         rows_ok = q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and k.stride(0) == v.stride(0) and q.stride(1) == k.stride(1) == v.stride(1) == q.shape[-1]
         decode = m.max_seqlen_q == 1 and q.shape[0] == len(m.seq_lens)
-        if decode and q.dtype != k_pool.dtype:  # fp32 activations over a bf16 pool (00a's `wide_dtype`): the kernel
-            return self(layer, *(t.to(k_pool.dtype) for t in (q, k, v))).to(q.dtype)  # takes one dtype
+        # fp32 activations over a bf16 pool (00a's `wide_dtype`): the float kernel takes one dtype, the pool's
+        if decode and q.dtype != k_pool.dtype and k_pool.is_floating_point():
+            return self(layer, *(t.to(k_pool.dtype) for t in (q, k, v))).to(q.dtype)
         if not decode or not rows_ok or q.dtype != k_pool.dtype: return super().__call__(layer, q, k, v)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         _kernel("paged_decode", k_pool, v_pool, out)(

@@ -109,6 +109,16 @@ class BlockTable:
         "A second table sharing every block (refcounts +1); the first write into a shared block copies it."
         return BlockTable(self.allocator, self.blocks, self.num_tokens, share=True)
 
+    def truncate(self, n_tokens):
+        """Keep positions [0, n_tokens): drop the blocks wholly past it (speculative tokens the model rejected, chapter
+        09). Slots past `n_tokens` in the last kept block are simply overwritten later. -> the released block ids."""
+        if not 0 <= n_tokens <= self.num_tokens:
+            raise ValueError(f"cannot truncate {self.num_tokens} tokens to {n_tokens}")
+        keep = self.allocator.blocks_needed(n_tokens)
+        released, self.blocks = self.allocator.free(self.blocks[keep:]), self.blocks[:keep]
+        self.num_tokens = n_tokens
+        return released
+
     def free(self):
         "Drop this table's references; returns the block ids that went back to the free list."
         released, self.blocks, self.num_tokens = self.allocator.free(self.blocks), [], 0

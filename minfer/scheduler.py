@@ -62,7 +62,7 @@ class Scheduler:
         "Free a running sequence's KV and send it back to the front of the queue; its tokens are kept and recomputed."
         self.running.remove(seq)
         self._release(seq)
-        seq.num_computed, seq.status = 0, "waiting"
+        seq.num_computed, seq.status, seq.draft_ids, seq.draft_probs = 0, "waiting", [], None
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
@@ -92,12 +92,17 @@ def schedule(self):
     # 1 + 2: running sequences, decodes before unfinished prefills, oldest first within each
     for seq in [s for s in self.running if decoding(s)] + [s for s in self.running if not decoding(s)]:
         if seq not in self.running or budget == 0: continue  # preempted earlier in this loop
-        n = min(len(seq) - seq.num_computed, budget)
+        # a decode with speculative tokens (chapter 09) runs 1 + k tokens; the budget may cut the guesses short
+        n = min(len(seq) - seq.num_computed + len(seq.draft_ids), budget)
         while True:
+            del seq.draft_ids[max(0, n - (len(seq) - seq.num_computed)):]
             try:
                 copies += seq.block_table.append_slots(n)
                 break
             except OutOfBlocks:
+                if seq.draft_ids:  # drop the guesses before preempting anyone
+                    n -= len(seq.draft_ids)
+                    continue
                 victims = [s for s in self.running if s.id not in done]
                 self._preempt(victims[-1])  # the newest not yet scheduled; may be `seq` itself
                 if victims[-1] is seq: break
@@ -139,15 +144,26 @@ def postprocess(self, batch, sampled):
     """After the forward pass. `batch`: what `schedule` chose, now computed; `sampled`: [(sequence, token, logprobs)]
     for each sequence whose last token was computed, each followed by its forks (further samples of its prompt, which
     start here by copy-on-write of its blocks). Appends the tokens, releases what finished.
+    A verified speculative run (chapter 09) gives one sequence several tokens in a row; the KV of its rejected guesses
+    is rolled back (its block table truncated), and a stop inside the run drops the tokens after it.
     -> the sequences that got a token."""
     for seq, n in batch: seq.num_computed += n
+    got = list(dict.fromkeys(seq for seq, _, _ in sampled))
+    for seq in got:
+        if seq.output_ids: seq.metrics.num_decode_passes += 1
     for seq, token, logprobs in sampled:
+        if seq.finished: continue  # stopped earlier in its accepted run
         if seq.forks: self._start_forks(seq)
         seq.append(token, logprobs)
         seq.metrics.bytes_per_token = seq.bytes_moved / len(seq.output_ids)
-    for seq, _, _ in sampled:
+    for seq, _ in batch:
+        if not seq.draft_ids: continue
+        seq.draft_ids, seq.draft_probs = [], None
+        seq.num_computed = min(seq.num_computed, len(seq) - 1)  # the last token's KV is written by the next step
+        if not seq.finished: seq.block_table.truncate(seq.num_computed)
+    for seq in got:
         if seq.finished: self.finish(seq)
-    return [seq for seq, _, _ in sampled]
+    return got
 
 def _start_forks(self, seq):
     "After `seq`'s prompt: its forks share every block (copy-on-write) and start decoding from the same logits."

@@ -25,6 +25,9 @@ class RequestMetrics:
     num_generated_tokens: int = 0
     num_cached_tokens: int = 0
     bytes_per_token: float = 0.0
+    num_decode_passes: int = 0        # target-model passes that gave this request tokens after its first (chapter 09)
+    num_draft_tokens: int = 0         # speculative tokens proposed for it (chapter 09)
+    num_accepted_tokens: int = 0      # ... and accepted by the target model
 
     @property
     def queue_time(self): return (self.first_scheduled_time or self.arrival_time) - self.arrival_time
@@ -38,9 +41,18 @@ class RequestMetrics:
     def tokens_per_s(self):
         if self.finish_time is None: return None
         return self.num_generated_tokens / max(self.finish_time - self.arrival_time, 1e-9)
+    @property
+    def acceptance_rate(self):
+        "Accepted / proposed speculative tokens (None without speculation)."
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+    @property
+    def tokens_per_pass(self):
+        "Tokens generated per target-model decode pass after the first token (1 without speculation)."
+        n = self.num_generated_tokens - 1
+        return n / self.num_decode_passes if self.num_decode_passes else None
     def as_dict(self):
         keys = ("queue_time", "ttft", "tpot", "tokens_per_s", "num_prompt_tokens", "num_generated_tokens",
-                "num_cached_tokens", "bytes_per_token")
+                "num_cached_tokens", "bytes_per_token", "acceptance_rate", "tokens_per_pass")
         return {k: getattr(self, k) for k in keys}
 
 # %% ../nbs/02c_sequence.ipynb #00192cd2
@@ -76,6 +88,9 @@ class Sequence:
     radix_node: object = field(init=False, default=None)    # the prefix-cache path it holds locked (chapter 04)
     forks: list = field(init=False, default_factory=list)   # further samples of its prompt, started after the prompt
     bytes_moved: float = field(init=False, default=0.0)     # its share of the engine's bytes (weights + its own KV)
+    draft_ids: list = field(init=False, default_factory=list)  # speculative tokens to verify in the next step (ch. 09)
+    draft_probs: object = field(init=False, default=None)    # their proposer's distributions [k, vocab]; None: one-hot
+    spec_alpha: float | None = field(init=False, default=None)  # its running acceptance rate (adaptive k, ch. 09)
     # incremental detokenization: decoded up to _read, text of ids[_prefix:_read] is a settled window; handed out
     _prefix: int = field(init=False, default=0, repr=False)
     _read: int = field(init=False, default=0, repr=False)
@@ -100,9 +115,9 @@ class Sequence:
     @property
     def finished(self): return self.status in ("finished", "aborted")
 
-    def token_generator(self):
-        "The random generator for the next token: seeded by (seed, how many tokens were generated)."
-        return torch.Generator().manual_seed((self.seed * 1_000_003 + len(self.output_ids)) % 2**63)
+    def token_generator(self, ahead=0):
+        "The random generator for the next token (or one `ahead` of it): seeded by (seed, its index in the output)."
+        return torch.Generator().manual_seed((self.seed * 1_000_003 + len(self.output_ids) + ahead) % 2**63)
 
     def append(self, token, logprobs=None):
         "Add a generated token (and its logprobs entry); update text, stop state and timings."
