@@ -180,9 +180,11 @@ def test_triton_refuses_an_int8_pool_without_scales():
                          torch.ones(1, dtype=torch.int32))
 
 
+@pytest.mark.parametrize("fused_rows", [False, True], ids=["separate", "qkv-rows"])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_cpu_kernel_reads_int8(dtype, tol):
-    "Chapter 05b's C++ decode over an int8 pool (`paged_decode_q8`) == chapter 03's reference on the same pool."
+def test_cpu_kernel_reads_int8(dtype, tol, fused_rows):
+    """Chapter 05b's C++ decode over an int8 pool (`paged_decode_q8`) == chapter 03's reference on the same pool; also
+    with q, k, v as strided views of one qkv row each, as the fused attention module passes them to several rows."""
     from minfer.cpu_kernels import CpuAttention, cpu_kernels_available
     from minfer.paged import PagedAttention, build_batch_meta
     if not cpu_kernels_available(): pytest.skip("no C++ compiler")
@@ -194,6 +196,7 @@ def test_cpu_kernel_reads_int8(dtype, tol):
         slots = torch.tensor([t[p // 16] * 16 + p % 16 for p in range(n - 1)])
         cache.store(1, slots, torch.randn(n - 1, 3, 64, generator=g), torch.randn(n - 1, 3, 64, generator=g))
     q, k, v = (torch.randn(3, h, 64, generator=g).to(dtype) for h in (9, 3, 3))
+    if fused_rows: q, k, v = torch.cat([q, k, v], 1).split([9, 3, 3], 1)  # q: not contiguous
     outs = []
     for cls in (CpuAttention, PagedAttention):  # the kernel's call stores the new K/V too; the reference writes them again
         a = cls(cache); a.meta = build_batch_meta([(t, n - 1, 1) for t, n in zip(tables, lens)], 16)
