@@ -210,7 +210,7 @@ class EngineConfig:
         kernels = self.kernels
         if kernels == "auto":
             fused = "cpu" if can_fuse(dtype, device) else "torch"
-            steps = self.kv == "paged" and weight_format(weights).plain_weights and can_step(dtype, device)
+            steps = self.kv == "paged" and _step_reads(weights) and can_step(dtype, device)
             kernels = "step" if steps else fused
         attention = self.attention
         if attention == "auto":
@@ -222,6 +222,10 @@ class EngineConfig:
         for refuses, message in CONFIG_RULES:
             if refuses(resolved): raise ValueError(message(resolved))
         return resolved
+
+def _step_reads(weights):
+    "Whether chapter 05c's one-call step reads this weight format's projections (plain matrices, or chapter 06's 4-bit)."
+    return weight_format(weights).plain_weights or weight_format(weights).step_weights
 
 def _no_compiler(): return "" if cxx_compiler() else ", and no C++ compiler is on PATH"
 
@@ -241,8 +245,8 @@ CONFIG_RULES = [
     (lambda c: c.kernels == "cpu" and not can_fuse(c.dtype, c.device),
      lambda c: f"kernels='cpu' needs dtype 'float32' or 'bfloat16' on device='cpu' and a C++ compiler "
                f"(got {c.dtype!r} on {c.device!r}{_no_compiler()}); use kernels='torch'"),
-    (lambda c: c.kernels == "step" and not weight_format(c.weights).plain_weights,
-     lambda c: f"kernels='step' reads plain weight matrices, which weights={c.weights!r} does not keep; "
+    (lambda c: c.kernels == "step" and not _step_reads(c.weights),
+     lambda c: f"kernels='step' reads plain weight matrices or 4-bit ones, which weights={c.weights!r} does not keep; "
                "use kernels='cpu' (or 'auto')"),
     (lambda c: c.kernels == "step" and c.kv != "paged",
      lambda c: f"kernels='step' runs decode steps over the paged KV pool (got kv={c.kv!r}); "
