@@ -76,7 +76,7 @@ void matvec(const T* W, const T* x, T* y, int64_t rows, int64_t n_in, int64_t n_
 // for k+1 in its high one. One 16-byte load, widened to 16 int32, gives two vectors of 16 codes (AND, shift), each
 // multiplied by one broadcast x; the sums stay in vector lanes, one per output, with no sum across lanes. After all
 // codes: per block and group, 16 fp16 scales then 16 fp16 zeros. 4.5 bits per weight at group 64.
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 constexpr int64_t Q4_BLOCK = 16;  // output rows per block of the layout
@@ -103,8 +103,8 @@ static inline void block_rows_q4(const Q4& W, int64_t block, const float* x, con
   const uint8_t* q = W.codes + block * Q4_BLOCK * n_in / 2;
   const uint16_t* sz = W.scale_zero + block * groups * 2 * Q4_BLOCK;
 #if defined(__AVX512F__)
-  // GCC's vectoriser makes slow code of the plain loop below (the fallback, and the definition), so here it is in
-  // AVX-512 intrinsics: 16 lanes = the block's 16 outputs
+  // GCC's vectoriser makes slow code of the plain loop at the end (the fallback, and the definition), so here it is in
+  // AVX-512 intrinsics (16 lanes = the block's 16 outputs), then in AVX2 ones
   __m512 acc[R], zero_part[R];
   for (int r = 0; r < R; ++r) acc[r] = zero_part[r] = _mm512_setzero_ps();
   const __m512i mask = _mm512_set1_epi32(15);
@@ -130,6 +130,41 @@ static inline void block_rows_q4(const Q4& W, int64_t block, const float* x, con
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * Q4_BLOCK, _mm512_sub_ps(acc[r], zero_part[r]));
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  // the same with 8 lanes: the block's 16 outputs are two vectors, [h] = outputs 8h .. 8h + 7
+  __m256 acc[R][2], zero_part[R][2];
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) acc[r][h] = zero_part[r][h] = _mm256_setzero_ps();
+  const __m256i mask = _mm256_set1_epi32(15);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint16_t* szg = sz + g * 2 * Q4_BLOCK;
+    __m256 s[2], sz_[2], sum[R][2];
+    for (int h = 0; h < 2; ++h) {
+      s[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(szg + 8 * h)));
+      sz_[h] = _mm256_mul_ps(s[h], _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(szg + Q4_BLOCK + 8 * h))));
+    }
+    const uint8_t* qg = q + g * pairs * Q4_BLOCK;
+    const float* xg = x + g * W.group;
+    for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < pairs; ++p) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + p * Q4_BLOCK));
+      for (int h = 0; h < 2; ++h) {
+        const __m256i c = _mm256_cvtepu8_epi32(h ? _mm_srli_si128(bytes, 8) : bytes);
+        const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(c, mask)), hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4));
+        for (int r = 0; r < R; ++r) {
+          sum[r][h] = _mm256_fmadd_ps(lo, _mm256_broadcast_ss(xg + r * n_in + 2 * p), sum[r][h]);
+          sum[r][h] = _mm256_fmadd_ps(hi, _mm256_broadcast_ss(xg + r * n_in + 2 * p + 1), sum[r][h]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) {
+        acc[r][h] = _mm256_fmadd_ps(sum[r][h], s[h], acc[r][h]);
+        zero_part[r][h] = _mm256_fmadd_ps(sz_[h], _mm256_set1_ps(x_sums[r * groups + g]), zero_part[r][h]);
+      }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + r * Q4_BLOCK + 8 * h, _mm256_sub_ps(acc[r][h], zero_part[r][h]));
 #else
   for (int64_t i = 0; i < R * Q4_BLOCK; ++i) out[i] = 0;
   for (int64_t g = 0; g < groups; ++g) {
