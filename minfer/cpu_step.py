@@ -93,12 +93,15 @@ static inline float half_to_float(uint16_t h) {
 struct Q4 {  // one projection's repacked weight: codes (n_out * n_in / 2 bytes), then the scales and zeros
   const uint8_t* codes; const uint16_t* scale_zero; int64_t group;
   Q4(const void* p, int64_t n_in, int64_t n_out, int64_t group)
-      : codes(static_cast<const uint8_t*>(p)), scale_zero(reinterpret_cast<const uint16_t*>(codes + n_out * n_in / 2)), group(group) {}
+      : codes(static_cast<const uint8_t*>(p)),
+        scale_zero(reinterpret_cast<const uint16_t*>(codes + n_out * n_in / 2)), group(group) {}
 };
 
-// Output rows [16 * block, 16 * block + 16) for R rows of x: out [R, 16]. x_sums [R, groups]: each row's sum of x per group.
+// Output rows [16 * block, 16 * block + 16) for R rows of x: out [R, 16]. x_sums [R, groups]: each row's sum of x
+// per group.
 template <int R>
-static inline void block_rows_q4(const Q4& W, int64_t block, const float* x, const float* x_sums, int64_t n_in, float* out) {
+static inline void block_rows_q4(const Q4& W, int64_t block, const float* x, const float* x_sums, int64_t n_in,
+                                 float* out) {
   const int64_t groups = n_in / W.group, pairs = W.group / 2;
   const uint8_t* q = W.codes + block * Q4_BLOCK * n_in / 2;
   const uint16_t* sz = W.scale_zero + block * groups * 2 * Q4_BLOCK;
@@ -111,14 +114,16 @@ static inline void block_rows_q4(const Q4& W, int64_t block, const float* x, con
   for (int64_t g = 0; g < groups; ++g) {
     const uint16_t* szg = sz + g * 2 * Q4_BLOCK;
     const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(szg)));
-    const __m512 sz_ = _mm512_mul_ps(s, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(szg + Q4_BLOCK))));
+    const __m512 zeros = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(szg + Q4_BLOCK)));
+    const __m512 sz_ = _mm512_mul_ps(s, zeros);
     const uint8_t* qg = q + g * pairs * Q4_BLOCK;
     const float* xg = x + g * W.group;  // row r's inputs of this group start at xg + r * n_in
     __m512 even[R], odd[R];  // two sums per row, so the multiply-adds do not all wait on one another
     for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
     for (int64_t p = 0; p < pairs; ++p) {
       const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + p * Q4_BLOCK)));
-      const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(c, mask)), hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4));
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(c, mask));
+      const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4));
       for (int r = 0; r < R; ++r) {
         even[r] = _mm512_fmadd_ps(lo, _mm512_set1_ps(xg[r * n_in + 2 * p]), even[r]);
         odd[r] = _mm512_fmadd_ps(hi, _mm512_set1_ps(xg[r * n_in + 2 * p + 1]), odd[r]);
@@ -141,7 +146,8 @@ static inline void block_rows_q4(const Q4& W, int64_t block, const float* x, con
     __m256 s[2], sz_[2], sum[R][2];
     for (int h = 0; h < 2; ++h) {
       s[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(szg + 8 * h)));
-      sz_[h] = _mm256_mul_ps(s[h], _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(szg + Q4_BLOCK + 8 * h))));
+      const __m128i zeros = _mm_loadu_si128(reinterpret_cast<const __m128i*>(szg + Q4_BLOCK + 8 * h));
+      sz_[h] = _mm256_mul_ps(s[h], _mm256_cvtph_ps(zeros));
     }
     const uint8_t* qg = q + g * pairs * Q4_BLOCK;
     const float* xg = x + g * W.group;
@@ -150,7 +156,8 @@ static inline void block_rows_q4(const Q4& W, int64_t block, const float* x, con
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + p * Q4_BLOCK));
       for (int h = 0; h < 2; ++h) {
         const __m256i c = _mm256_cvtepu8_epi32(h ? _mm_srli_si128(bytes, 8) : bytes);
-        const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(c, mask)), hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4));
+        const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(c, mask));
+        const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4));
         for (int r = 0; r < R; ++r) {
           sum[r][h] = _mm256_fmadd_ps(lo, _mm256_broadcast_ss(xg + r * n_in + 2 * p), sum[r][h]);
           sum[r][h] = _mm256_fmadd_ps(hi, _mm256_broadcast_ss(xg + r * n_in + 2 * p + 1), sum[r][h]);
@@ -209,7 +216,8 @@ void matvec_q4(const Q4& W, const T* x, T* y, int64_t rows, int64_t n_in, int64_
         default: block_rows_q4<1>(W, block, xr, sr, n_in, sums);
       }
       for (int64_t r = 0; r < n; ++r)
-        for (int64_t j = 0; j < Q4_BLOCK; ++j) y[(r0 + r) * n_out + block * Q4_BLOCK + j] = Num<T>::store(sums[r * Q4_BLOCK + j]);
+        for (int64_t j = 0; j < Q4_BLOCK; ++j)
+          y[(r0 + r) * n_out + block * Q4_BLOCK + j] = Num<T>::store(sums[r * Q4_BLOCK + j]);
     }
   }
 }
@@ -231,9 +239,9 @@ template <typename T> struct Q4Weights {
 // overwritten (it is the residual stream); cos, sin [rows, d]; per layer `weights` holds 6 pointers (input norm, qkv,
 // o, post-attention norm, gate_up, down), then the final norm and the LM head; k_cache, v_cache: chapter 03's pools,
 // layer after layer, layer_stride elements apart; logits [rows, vocab] in fp32.
-// dims: hidden, intermediate, n_q, n_kv, head_dim, layers, vocab, group (Q4 only). The projections are read as `Weights`
-// says (DenseWeights or Q4Weights); the norms and the LM head are always plain. timings (may be null): seconds spent per part,
-// added to: layer matvecs, LM head, norms, RoPE + KV write + attention, SiLU x up.
+// dims: hidden, intermediate, n_q, n_kv, head_dim, layers, vocab, group (Q4 only). The projections are read as
+// `Weights` says (DenseWeights or Q4Weights); the norms and the LM head are always plain. timings (may be null):
+// seconds spent per part, added to: layer matvecs, LM head, norms, RoPE + KV write + attention, SiLU x up.
 template <typename T, typename Weights>
 void decode_step(T* x, const T* cos, const T* sin, const void* const* weights, T* k_cache, T* v_cache, int64_t layer_stride,
                  const int64_t* new_slots, const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens,
@@ -286,11 +294,14 @@ void decode_step(T* x, const T* cos, const T* sin, const void* const* weights, T
 #define DECODE_STEP(T, S) extern "C" void decode_step_##S(T* x, const T* cos, const T* sin, const void* const* weights, \
     T* k_cache, T* v_cache, int64_t layer_stride, const int64_t* new_slots, const int32_t* block_tables, int64_t max_blocks, \
     const int32_t* seq_lens, int64_t block_size, float* logits, int64_t rows, const int64_t* dims, float eps, double* timings) \
-  { decode_step<T, DenseWeights<T>>(x, cos, sin, weights, k_cache, v_cache, layer_stride, new_slots, block_tables, max_blocks, seq_lens, block_size, logits, rows, dims, eps, timings); } \
+  { decode_step<T, DenseWeights<T>>(x, cos, sin, weights, k_cache, v_cache, layer_stride, new_slots, block_tables, \
+                                     max_blocks, seq_lens, block_size, logits, rows, dims, eps, timings); } \
   extern "C" void decode_step_q4_##S(T* x, const T* cos, const T* sin, const void* const* weights, \
-    T* k_cache, T* v_cache, int64_t layer_stride, const int64_t* new_slots, const int32_t* block_tables, int64_t max_blocks, \
-    const int32_t* seq_lens, int64_t block_size, float* logits, int64_t rows, const int64_t* dims, float eps, double* timings) \
-  { decode_step<T, Q4Weights<T>>(x, cos, sin, weights, k_cache, v_cache, layer_stride, new_slots, block_tables, max_blocks, seq_lens, block_size, logits, rows, dims, eps, timings); }
+    T* k_cache, T* v_cache, int64_t layer_stride, const int64_t* new_slots, const int32_t* block_tables, \
+    int64_t max_blocks, const int32_t* seq_lens, int64_t block_size, float* logits, int64_t rows, \
+    const int64_t* dims, float eps, double* timings) \
+  { decode_step<T, Q4Weights<T>>(x, cos, sin, weights, k_cache, v_cache, layer_stride, new_slots, block_tables, \
+                                  max_blocks, seq_lens, block_size, logits, rows, dims, eps, timings); }
 BOTH_DTYPES(MATVEC)
 BOTH_DTYPES(MATVEC_Q4)
 BOTH_DTYPES(DECODE_STEP)
@@ -312,7 +323,7 @@ def openmp_runtimes():
 
 @functools.cache
 def cpu_step_kernels():
-    "This chapter's compiled kernels (built on first use): `{(name, dtype): function}` for `matvec`, `decode_step` and their `_q4` twins."
+    "This chapter's compiled kernels (built on first use): `{(name, dtype): function}`, matvec and decode_step (+ _q4)."
     entries = load_kernels(build_cpu_kernels(CPU_STEP_SOURCE, flags=STEP_CXX_FLAGS), _STEP_SIGNATURES)
     if len(openmp_runtimes()) > 1:  # two thread pools would fight over the cores, each spinning while the other works
         raise RuntimeError(f"the step kernels loaded a second OpenMP runtime beside PyTorch's ({', '.join(sorted(openmp_runtimes()))}); use kernels='cpu'")
@@ -333,10 +344,10 @@ def matvec(w, x):
     return y
 
 def pack_q4(codes, scales, zeros):
-    """The step's 4-bit layout (see `matvec_q4` in the C++): codes int [out, in] in 0..15, scales and zeros [out, in / G]
-    (out a multiple of 16, G of 2) -> one uint8 tensor: per block of 16 output rows, group and pair of inputs (k, k+1),
-    16 bytes (byte j: row j's code for k in the low nibble, for k+1 in the high one); then per block and group 16 fp16
-    scales and 16 fp16 zeros. 4.5 bits per weight at G = 64."""
+    """The step's 4-bit layout (see `matvec_q4` in the C++): codes int [out, in] in 0..15, scales and zeros
+    [out, in / G] (out a multiple of 16, G of 2) -> one uint8 tensor: per block of 16 output rows, group and pair of
+    inputs (k, k+1), 16 bytes (byte j: row j's code for k in the low nibble, for k+1 in the high one); then per block
+    and group 16 fp16 scales and 16 fp16 zeros. 4.5 bits per weight at G = 64."""
     n_out, n_in = codes.shape
     groups = scales.shape[1]
     if zeros.shape != scales.shape or scales.shape[0] != n_out or n_out % 16 or n_in % groups or (n_in // groups) % 2:
@@ -350,14 +361,16 @@ def pack_q4(codes, scales, zeros):
     return torch.cat([packed, scale_zero])
 
 def matvec_q4(w, x, n_out, group_size):
-    "`x W^T` for W in `pack_q4`'s layout (`n_out` rows, groups of `group_size`), by the step's own kernel: x [rows <= 16, n_in]."
+    "`x W^T` for W in `pack_q4`'s layout (`n_out` rows, groups of `group_size`) by the step's kernel; x [1..16, n_in]."
     n_in = x.shape[-1] if x.dim() == 2 else -1
-    if x.dim() != 2 or not 1 <= x.shape[0] <= FUSED_MAX_ROWS or w.dtype != torch.uint8 or n_in % group_size or n_out % 16 \
-            or w.numel() != n_out * n_in // 2 + n_out * n_in // group_size * 4:
-        raise ValueError(f"matvec_q4: x must be [1..{FUSED_MAX_ROWS}, n_in] and w pack_q4's uint8 bytes for [{n_out}, n_in] in "
-                         f"groups of {group_size}; got x {tuple(x.shape)}, w {w.dtype} of {w.numel()} bytes")
+    fits = w.dtype == torch.uint8 and w.numel() == n_out * n_in // 2 + n_out * n_in // group_size * 4
+    if x.dim() != 2 or not 1 <= x.shape[0] <= FUSED_MAX_ROWS or n_in % group_size or n_out % 16 or not fits:
+        raise ValueError(f"matvec_q4: x must be [1..{FUSED_MAX_ROWS}, n_in] and w pack_q4's uint8 bytes for "
+                         f"[{n_out}, n_in] in groups of {group_size}; got x {tuple(x.shape)}, "
+                         f"w {w.dtype} of {w.numel()} bytes")
     y = torch.empty(x.shape[0], n_out, dtype=x.dtype)
-    _kernel("matvec_q4", x, y, table=cpu_step_kernels())(w.data_ptr(), x.data_ptr(), y.data_ptr(), x.shape[0], n_in, n_out, group_size)
+    f = _kernel("matvec_q4", x, y, table=cpu_step_kernels())
+    f(w.data_ptr(), x.data_ptr(), y.data_ptr(), x.shape[0], n_in, n_out, group_size)
     return y
 
 # %% ../nbs/05c_cpu_step.ipynb #03d0d0e6
@@ -387,8 +400,8 @@ class StepLlama(Llama):
         x = self.embed_tokens(tokens)  # a new tensor: the residual stream, updated in place by the call
         cos, sin = self.rope.tables(positions, x.dtype)
         logits = torch.empty(len(tokens), cfg.vocab_size)
-        dims = (_I * 8)(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                        cfg.num_hidden_layers, cfg.vocab_size, self.group_size)
+        dims = (_I * 8)(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                        cfg.head_dim, cfg.num_hidden_layers, cfg.vocab_size, self.group_size)
         _kernel("decode_step_q4" if self.group_size else "decode_step", x, cos, sin, k, v, table=cpu_step_kernels())(
             x.data_ptr(), cos.data_ptr(), sin.data_ptr(), self.weight_pointers, k.data_ptr(), v.data_ptr(), k.stride(0), m.slot_mapping.data_ptr(),
             m.block_tables.data_ptr(), m.block_tables.shape[1], m.seq_lens.data_ptr(), k.shape[2], logits.data_ptr(), len(tokens), dims,
@@ -400,9 +413,10 @@ def can_step(dtype, device):
     return can_fuse(dtype, device) and cpu_step_available()
 
 def fuse_decode_step(model):
-    """Make `model`'s decode steps one `decode_step` call each (the class switches to `StepLlama`, in place). The projections
-    are read as plain [out, in] matrices in the model's dtype, or, where every one of them has a `q4_weights()` method
-    (chapter 06's `AWQLinear`: `(pack_q4 bytes, group size)`), as 4-bit codes by `decode_step_q4`."""
+    """Make `model`'s decode steps one `decode_step` call each (the class switches to `StepLlama`, in place). The
+    projections are read as plain [out, in] matrices in the model's dtype, or, where every one of them has a
+    `q4_weights()` method (chapter 06's `AWQLinear`: `(pack_q4 bytes, group size)`), as 4-bit codes by
+    `decode_step_q4`."""
     if not can_step(model.dtype, model.device):
         raise ValueError(f"the one-call decode step needs float32 or bfloat16 on a CPU with a C++ compiler and OpenMP; this model is {model.dtype} on {model.device}")
     # plain [out, in] matrices in the model's dtype: nn.Linear's, or those 00a's PackedLinear keeps beside its copy
@@ -412,9 +426,10 @@ def fuse_decode_step(model):
         w = getattr(p, "weight", None)
         return isinstance(w, torch.Tensor) and w.dtype == model.dtype and w.is_contiguous()
     q4 = [p.q4_weights() for p in projections] if all(hasattr(p, "q4_weights") for p in projections) else None
-    if not plain(model.lm_head) or (q4 is None and not all(plain(p) for p in projections)) or (q4 and len({g for _, g in q4}) != 1):
-        raise ValueError("the one-call decode step reads plain [out, in] weights in the model's dtype (weights='plain' or "
-                         "'packed'), or 4-bit ones of one group size (weights='awq-int4'), and a plain LM head")
+    readable = all(plain(p) for p in projections) if q4 is None else len({g for _, g in q4}) == 1
+    if not (readable and plain(model.lm_head)):
+        raise ValueError("the one-call decode step reads plain [out, in] weights in the model's dtype (weights='plain' "
+                         "or 'packed'), or 4-bit ones of one group size (weights='awq-int4'), and a plain LM head")
     model.__class__ = StepLlama
     model.group_size = q4[0][1] if q4 else 0  # 0: plain projections
     model.q4_buffers = [w for w, _ in q4] if q4 else None  # kept alive: the call reads them by address

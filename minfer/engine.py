@@ -224,7 +224,7 @@ class EngineConfig:
         return resolved
 
 def _step_reads(weights):
-    "Whether chapter 05c's one-call step reads this weight format's projections (plain matrices, or chapter 06's 4-bit)."
+    "Whether chapter 05c's one-call step reads this weight format's projections (plain, or chapter 06's 4-bit)."
     return weight_format(weights).plain_weights or weight_format(weights).step_weights
 
 def _no_compiler(): return "" if cxx_compiler() else ", and no C++ compiler is on PATH"
