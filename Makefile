@@ -53,7 +53,10 @@ test-py: install docs-fresh chromium
 
 test: sync-check test-notebooks test-py
 
+# llama.cpp is a peer in the decode benchmark only (never in `make test`): pip builds llama-cpp-python from source,
+# about 10 minutes on a 2-core machine, once
 bench: install
+	$(BIN)/python -c "import llama_cpp" 2>/dev/null || $(BIN)/pip install -q llama-cpp-python
 	$(BIN)/python benchmarks/bench_decode.py --record
 	$(BIN)/python benchmarks/bench_throughput.py --record
 

@@ -7,13 +7,23 @@ uses (chapter 05c's own matvec with `kernels="step"`, oneDNN on packed weights w
 `F.linear`, which transformers uses. Each ceiling is the best of three measurements.
 Where the greedy tokens part, the table says where, and how far apart transformers' top two logits were there.
 
-    python benchmarks/bench_decode.py [--tokens 256] [--repeats 3] [--dtypes float32 bfloat16] [--kernels auto] [--record]
+Then 4-bit weights (chapter 06): minfer on the default model's AWQ folder (int4 g64, its default switches: the one-call
+step reading the 4-bit codes, chapter 05c) beside llama.cpp (`llama-cpp-python`) running the GGUF the default model
+ships as (Q4_1), minfer bf16 and transformers bf16, alternating, medians, each with its weight bytes per token and the
+floor (copy bandwidth / those bytes). llama.cpp runs with as many threads as PyTorch uses; the row is left out with a
+note where `llama_cpp` is not installed (`make bench` installs it). `--no-int4` skips this part.
+
+    python benchmarks/bench_decode.py [--tokens 256] [--repeats 3] [--dtypes float32 bfloat16] [--kernels auto]
+        [--awq-folder data/models/smollm2-135m-instruct-awq-g64] [--no-int4] [--record]
 """
 import argparse, datetime, platform, statistics, subprocess, sys, time
 from pathlib import Path
 
 import torch
 from minfer.llm import LLM, decode_breakdown
+from minfer.model import data_dir, default_model_dir, find_default_gguf, ModelConfig
+from minfer.awq import is_awq_folder, quantize_folder
+from minfer.roofline import weight_bytes_per_step, param_counts
 from minfer.sampling import SamplingParams
 from minfer.roofline import decode_bytes_per_token, measure_bandwidth, measure_matvec_bandwidth
 from minfer.cpu_step import matvec as step_matvec
@@ -72,19 +82,81 @@ def bench(dtype, n, repeats, kv, kernels="auto"):
                 minfer_decode=1 / statistics.median(tpots), floor=bw / bpt, practical=matvec_ours / bpt, practical_linear=matvec / bpt,
                 bw=bw, matvec=matvec_ours, matvec_linear=matvec, bpt=bpt, same_tokens=same)
 
+def int4_weight_bytes(llm):
+    "Weight bytes one decode step of this minfer LLM reads: the step's 4-bit buffers (or the format's ledger), norms, LM head."
+    model = llm.model
+    if getattr(model, "q4_buffers", None) is not None:
+        cfg, p = llm.model_config, param_counts(llm.model_config)
+        return sum(b.numel() for b in model.q4_buffers) + (p["norms"] + cfg.vocab_size * cfg.hidden_size) * 2
+    return weight_bytes_per_step(llm.model_config, llm.dtype, llm.engine.runner.ledger.projection_bits)
+
+def gguf_weight_bytes(path):
+    "Bytes of every tensor in a GGUF file (the tied token embedding is the output matrix too: read whole every token)."
+    from gguf import GGUFReader
+    return sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
+
+def time_llama_cpp(lcp, ids, n):
+    "Greedy (top-1) generation of n tokens after the prompt ids, timed end to end like the others."
+    lcp.reset()  # forget the last run's tokens: otherwise llama-cpp-python reuses the cached prompt
+    t, out = time.perf_counter(), []
+    for tok in lcp.generate(ids, top_k=1, temp=0.0, reset=True):
+        out.append(tok)
+        if len(out) == n: break
+    return time.perf_counter() - t, out
+
+def bench_int4(n, repeats, awq_folder):
+    "4-bit weights beside bf16: {name: dict(tok_s, bytes)}; the runs alternate, medians."
+    from transformers import LlamaForCausalLM
+    awq_folder = Path(awq_folder)
+    if not is_awq_folder(awq_folder):
+        print(f"{awq_folder} is missing: building it (minfer quantize, AWQ search; minutes)", flush=True)
+        quantize_folder(default_model_dir(), awq_folder, method="awq", group_size=64)
+    awq, bf16 = LLM(awq_folder), LLM(dtype="bfloat16")
+    hf = LlamaForCausalLM.from_pretrained(bf16.model_dir, dtype=torch.bfloat16).eval()
+    ids = bf16.tokenizer.encode(PROMPT)
+    runs = {f"minfer awq-int4 g64 ({awq.kernels})": lambda: time_minfer(awq, ids, n)[0],
+            f"minfer bf16 ({bf16.weights}, {bf16.kernels})": lambda: time_minfer(bf16, ids, n)[0],
+            "transformers bf16": lambda: time_transformers(hf, ids, n)[0]}
+    sizes = {0: int4_weight_bytes(awq), 1: weight_bytes_per_step(bf16.model_config, "bfloat16"), 2: weight_bytes_per_step(bf16.model_config, "bfloat16")}
+    note = ""
+    try:
+        from llama_cpp import Llama as LlamaCpp
+        gguf = find_default_gguf()
+        lcp = LlamaCpp(model_path=str(gguf), n_threads=torch.get_num_threads(), n_threads_batch=torch.get_num_threads(),
+                       n_ctx=len(ids) + n + 16, verbose=False)
+        runs["llama.cpp Q4_1 (llama-cpp-python)"] = lambda: time_llama_cpp(lcp, ids, n)[0]
+        sizes[3] = gguf_weight_bytes(gguf)
+    except ImportError:
+        note = "llama.cpp: `llama_cpp` is not installed here (`make bench` installs llama-cpp-python); row left out"
+    time_minfer(awq, ids, 8)  # warm-up: a short run of each; time_minfer(bf16, ids, 8); time_transformers(hf, ids, 8)
+    if "llama.cpp Q4_1 (llama-cpp-python)" in runs: time_llama_cpp(lcp, ids, 8)
+    times = {name: [] for name in runs}
+    for _ in range(repeats):  # A B C D A B C D ...
+        for name, f in runs.items(): times[name].append(f())
+        print({k: round(n / v[-1], 1) for k, v in times.items()}, flush=True)
+    tokens = {}
+    _, _, tokens["awq"] = time_minfer(awq, ids, 32)
+    if "llama.cpp Q4_1 (llama-cpp-python)" in runs: tokens["llama.cpp"] = time_llama_cpp(lcp, ids, 32)[1]
+    return {name: dict(tok_s=n / statistics.median(times[name]), bytes=sizes[i]) for i, name in enumerate(runs)}, note, tokens
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--dtypes", nargs="*", default=["float32", "bfloat16"], help="none: only the 4-bit part")
     ap.add_argument("--kv", nargs="+", default=["paged"], help="minfer KV modes to measure (paged is LLM()'s default)")
     ap.add_argument("--kernels", nargs="+", default=["auto"], help="minfer kernels to measure: auto, torch, cpu (05b), step (05c)")
+    ap.add_argument("--awq-folder", default=str(data_dir() / "models" / "smollm2-135m-instruct-awq-g64"),
+                    help="chapter 06's AWQ folder of the default model (built with `minfer quantize` if missing)")
+    ap.add_argument("--no-int4", action="store_true", help="skip the 4-bit part (minfer AWQ, llama.cpp Q4_1)")
     ap.add_argument("--record", action="store_true", help="write the table to benchmarks/decode-<date>.md")
     a = ap.parse_args()
+    int4 = None if a.no_int4 else bench_int4(a.tokens, a.repeats, a.awq_folder)
     rows = [bench(dt, a.tokens, a.repeats, kv, k) for dt in a.dtypes for kv in a.kv for k in a.kernels]
     lines = [f"# Batch-1 decode, {a.tokens} tokens, medians of {a.repeats} alternating runs",
              "", f"- date: {datetime.datetime.now():%Y-%m-%d %H:%M}", f"- machine: {machine()}",
-             f"- command: `python benchmarks/bench_decode.py {' '.join(sys.argv[1:])}`", "",
+             f"- command: `python benchmarks/bench_decode.py {' '.join(sys.argv[1:])}`"]
+    lines += [] if not rows else ["",
              "| dtype | minfer kv, weights, kernels | minfer tok/s (end to end) | minfer decode tok/s | transformers tok/s | ratio | practical ceiling, minfer's matvec: tok/s (GB/s) | % of it | practical ceiling, F.linear: tok/s (GB/s) | % of it | bandwidth floor tok/s (copy GB/s) | MB/token | same greedy tokens |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -92,13 +164,29 @@ def main():
                      f"{r['practical']:.1f} ({r['matvec']/1e9:.1f}) | {100*r['minfer_decode']/r['practical']:.0f}% | "
                      f"{r['practical_linear']:.1f} ({r['matvec_linear']/1e9:.1f}) | {100*r['minfer_decode']/r['practical_linear']:.0f}% | {r['floor']:.1f} ({r['bw']/1e9:.1f}) | "
                      f"{r['bpt']/1e6:.0f} | {r['same_tokens']} |")
-    lines += ["", "Where a minfer decode step goes (ms per token, one extra run timed with forward hooks by `minfer.llm.decode_breakdown`, "
+    lines += [] if not rows else ["", "Where a minfer decode step goes (ms per token, one extra run timed with forward hooks by `minfer.llm.decode_breakdown`, "
               "or for kernels=step by the one C++ call's own clock; "
               "'the rest' = residual adds, embedding, sampling, scheduling and Python, by difference):", "",
               "| dtype, kernels | " + " | ".join(rows[0]["parts"]) + " | step |", "|---" * (len(rows[0]["parts"]) + 2) + "|"]
     lines += [f"| {r['dtype']}, {r['kernels']} | " + " | ".join(f"{v:.1f}" for v in r["parts"].values()) + f" | {sum(r['parts'].values()):.1f} |" for r in rows]
-    lines += ["", "Targets (issue 2): ratio >= 1.5x in bf16, >= 1.1x in fp32; minfer decode within 80% of the practical ceiling "
+    lines += [] if not rows else ["", "Targets (issue 2): ratio >= 1.5x in bf16, >= 1.1x in fp32; minfer decode within 80% of the practical ceiling "
               "(the honest one is the ceiling of the kernel minfer runs; transformers runs F.linear)."]
+    if int4 is not None:
+        res, note, tokens = int4
+        bw = rows[0]["bw"] if rows else measure_bandwidth()
+        lines += ["", f"## 4-bit weights: batch-1 decode, {a.tokens} tokens, medians of {a.repeats} alternating runs (A B C D ...)", "",
+                  "| engine | tok/s (end to end) | weight MB/token | bandwidth floor tok/s (copy GB/s) | % of floor |", "|---|---|---|---|---|"]
+        for name, r in res.items():
+            floor = bw / r["bytes"]
+            lines.append(f"| {name} | {r['tok_s']:.1f} | {r['bytes']/1e6:.0f} | {floor:.1f} ({bw/1e9:.1f}) | {100*r['tok_s']/floor:.0f}% |")
+        if note: lines += ["", note]
+        if "llama.cpp" in tokens:
+            same = next((i for i, (x, y) in enumerate(zip(tokens["awq"], tokens["llama.cpp"])) if x != y), len(tokens["awq"]))
+            lines += ["", f"Greedy tokens: minfer AWQ and llama.cpp Q4_1 (two different 4-bit models of the same weights) agree on "
+                      f"the first {same} of 32."]
+        lines += ["", "Weight bytes: minfer's AWQ step reads its repacked 4-bit codes with an fp16 scale and zero per group of 64 "
+                  "(4.5 bits per projection weight) and the tied LM head in bf16; llama.cpp's are the GGUF's tensors (the tied "
+                  "embedding read whole as the output matrix). Target (issue 14): minfer int4 >= llama.cpp Q4_1 tok/s."]
     text = "\n".join(lines)
     print(text)
     if a.record:

@@ -9,7 +9,7 @@ transformers runs batches of `--hf-batch` requests, left-padded, each batch gene
 length; only each request's own tokens count as useful output (the rest of its row is the price of static batching).
 
     python benchmarks/bench_throughput.py [--dtypes float32 bfloat16] [--mixes decode prefill] [--repeats 2]
-        [--also kernels=cpu kernels=torch] [--record]
+        [--also kernels=cpu kernels=torch model=data/models/smollm2-135m-instruct-awq-g64] [--record]
 """
 import argparse, datetime, random, statistics, sys, time
 from pathlib import Path
@@ -81,7 +81,8 @@ def main():
     mixes = {"decode": make_workload(tok, a.requests, seed=0), "prefill": prefill_heavy(tok, a.requests)}
     rows, configs = [], {}
     for dtype in a.dtypes:
-        llms = {"default": LLM(d, dtype=dtype), **{s: LLM(d, dtype=dtype, **switches(s)) for s in a.also}}
+        # a switch set may name another folder (model=<path>: chapter 06's AWQ folder of the default model, say)
+        llms = {"default": LLM(d, dtype=dtype), **{s: LLM(**{"model": d, "dtype": dtype, **switches(s)}) for s in a.also}}
         for name, llm in llms.items(): configs[dtype, name] = repr(llm).replace(str(d), "<default model>")
         hf = None if a.no_transformers else LlamaForCausalLM.from_pretrained(d, dtype=getattr(torch, dtype)).eval()
         for mix in a.mixes:

@@ -28,6 +28,7 @@ import triton.language as tl
 from .model import (DTYPES, Llama, ModelConfig, NoCache, RotaryEmbedding, Tokenizer, WeightFormat, data_dir,
                           load_model, register_weight_format)
 from .roofline import DTYPE_BYTES, param_counts
+from .cpu_step import pack_q4
 
 # %% ../nbs/06_awq.ipynb #5321c86d
 AWQ_BITS = 4
@@ -306,6 +307,11 @@ class AWQLinear(nn.Module):
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, self.group_size, scale_zero)
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def q4_weights(self):
+        "(bytes, group size): this weight in chapter 05c's `pack_q4` layout, which its one-call decode step reads."
+        codes, zeros = unpack_int4(self.qweight).T, unpack_int4(self.qzeros).T
+        return pack_q4(codes, self.scales.T, zeros), self.group_size
+
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
 
@@ -489,8 +495,10 @@ def _awq_bits(dtype, group_size=64):
     return AWQ_BITS + (16 + AWQ_BITS) / group_size
 
 register_weight_format(WeightFormat(
-    # bf16 on a CPU: PyTorch's int4 kernel takes bf16 inputs (fp32 would dequantize every weight on every call)
-    "awq-int4", load=load_awq_model, bits=_awq_bits, detect=is_awq_folder, plain_weights=False, dtype="bfloat16",
+    # bf16 on a CPU: PyTorch's int4 kernel takes bf16 inputs (fp32 would dequantize every weight on every call);
+    # step_weights: chapter 05c's one-call decode step reads the codes, repacked by `AWQLinear.q4_weights`
+    "awq-int4", load=load_awq_model, bits=_awq_bits, detect=is_awq_folder, plain_weights=False, step_weights=True,
+    dtype="bfloat16",
     about="AutoAWQ's GEMM format (4-bit codes, fp16 scales, 4-bit zeros per group), AWQLinear (chapter 06)"))
 
 # %% ../nbs/06_awq.ipynb #d382bb9b

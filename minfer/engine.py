@@ -303,7 +303,7 @@ class EngineConfig:
         kernels = self.kernels
         if kernels == "auto":
             fused = "cpu" if can_fuse(dtype, device) else "torch"
-            steps = self.kv == "paged" and weight_format(weights).plain_weights and can_step(dtype, device)
+            steps = self.kv == "paged" and _step_reads(weights) and can_step(dtype, device)
             steps = steps and self.kv_dtype not in KV_FORMATS  # the one-call step reads an unquantized pool
             kernels = "step" if steps else fused
         attention = self.attention
@@ -346,6 +346,10 @@ def _bad_cores(spec):
     try: return not set(parse_cores(spec)) <= set(usable_cores())
     except ValueError: return True
 
+def _step_reads(weights):
+    "Whether chapter 05c's one-call step reads this weight format's projections (plain, or chapter 06's 4-bit)."
+    return weight_format(weights).plain_weights or weight_format(weights).step_weights
+
 def _no_compiler(): return "" if cxx_compiler() else ", and no C++ compiler is on PATH"
 
 def _attention_refuses(c):
@@ -364,8 +368,8 @@ CONFIG_RULES = [
     (lambda c: c.kernels == "cpu" and not can_fuse(c.dtype, c.device),
      lambda c: f"kernels='cpu' needs dtype 'float32' or 'bfloat16' on device='cpu' and a C++ compiler "
                f"(got {c.dtype!r} on {c.device!r}{_no_compiler()}); use kernels='torch'"),
-    (lambda c: c.kernels == "step" and not weight_format(c.weights).plain_weights,
-     lambda c: f"kernels='step' reads plain weight matrices, which weights={c.weights!r} does not keep; "
+    (lambda c: c.kernels == "step" and not _step_reads(c.weights),
+     lambda c: f"kernels='step' reads plain weight matrices or 4-bit ones, which weights={c.weights!r} does not keep; "
                "use kernels='cpu' (or 'auto')"),
     (lambda c: c.kernels == "step" and c.kv != "paged",
      lambda c: f"kernels='step' runs decode steps over the paged KV pool (got kv={c.kv!r}); "

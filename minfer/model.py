@@ -385,13 +385,15 @@ class WeightFormat:
     """One way to hold a model's projection weights. `load(folder, dtype, device)` -> `Llama`; `bits(dtype)`: bits a
     decode step streams per projection weight (the ledger's count); `refuses(dtype, device)`: why it cannot run there
     (one line), or None; `detect(folder)`: whether a folder is stored in this format (so `weights="auto"` picks it);
-    `plain_weights`: whether the model keeps plain [out, in] matrices in its dtype (05c's one-call step reads them)."""
+    `plain_weights`: whether the model keeps plain [out, in] matrices in its dtype (05c's one-call step reads them);
+    `step_weights`: whether its projections give 05c's 4-bit layout instead (`q4_weights()`, the step reads it too)."""
     name: str
     load: Callable
     bits: Callable
     refuses: Callable = lambda dtype, device: None
     detect: Callable = lambda folder: False
     plain_weights: bool = True
+    step_weights: bool = False
     dtype: str | None = None  # the dtype `dtype="auto"` picks for it, where it has one that runs fastest
     about: str = ""
 

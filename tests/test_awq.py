@@ -340,7 +340,7 @@ def test_missing_tensor_is_named(tiny_folder, tmp_path):
 
 def test_cli_quantize_then_llm_loads_the_folder(model_dir, tmp_path):
     """`minfer quantize --method rtn` (the real command) writes a folder that `LLM(folder)` recognises: weights
-    'awq-int4' and bf16 picked by themselves, chapter 05b's kernels (the one-call step reads dense matrices), about
+    'awq-int4' and bf16 picked by themselves, chapter 05c's one-call step (it reads the 4-bit codes), about
     4.3 bits per projection weight in the ledger, and the chat question still answered; wrong switches are one line."""
     import subprocess, sys
     from pathlib import Path
@@ -352,13 +352,13 @@ def test_cli_quantize_then_llm_loads_the_folder(model_dir, tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 0 and is_awq_folder(dst), r.stderr
     llm = LLM(dst)
-    assert (llm.weights, llm.dtype, llm.kernels) == ("awq-int4", "bfloat16", "cpu")
+    assert (llm.weights, llm.dtype, llm.kernels) == ("awq-int4", "bfloat16", "step")
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(max_tokens=12))[0]
     assert "Paris" in out.text, out.text
     dense = LLM(model_dir, dtype="bfloat16").generate("Hi", SamplingParams(max_tokens=2))[0].metrics["bytes_per_token"]
     assert out.metrics["bytes_per_token"] < 0.5 * dense
     for kw, words in ((dict(weights="plain"), "use weights='awq-int4'"),
-                      (dict(kernels="step"), "kernels='step' reads")):
+                      (dict(kernels="step", kv="contiguous"), "kernels='step' runs decode steps over the paged")):
         with pytest.raises(ValueError) as e: LLM(dst, **kw)
         assert "\n" not in str(e.value) and words in str(e.value)
 

@@ -1,0 +1,118 @@
+"""Chapter 06's int4 weights inside chapter 05c's one-call decode step: the 4-bit matvec against the dequantising
+reference (`dequantize_awq`, AutoAWQ's definition of the weight), each CPU instruction set's path of it, and the whole
+step against the modules' path (the dequantising reference in fp32, PyTorch's CPU int4 kernel in bf16)."""
+import platform
+import pytest, torch
+import torch.nn.functional as F
+
+from minfer.awq import AWQLinear, quantize_folder, load_awq_model, unpack_int4
+from minfer.cpu_step import (pack_q4, matvec_q4, fuse_decode_step, cpu_step_available, CPU_STEP_SOURCE, STEP_CXX_FLAGS,
+                             _STEP_SIGNATURES)
+from minfer.cpu_kernels import fuse_cpu_ops, build_cpu_kernels, load_kernels, FUSED_MAX_ROWS
+from minfer.llm import LLM
+from minfer.sampling import SamplingParams
+from test_cpu_step import prefill_then_decode, SHORT
+
+pytestmark = pytest.mark.skipif(not cpu_step_available(), reason="no C++ compiler with OpenMP to build the step kernels")
+
+
+def random_awq(n_out, n_in, group_size, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return AWQLinear.from_weight(torch.randn(n_out, n_in, generator=g) * 0.05 + 0.01, group_size)
+
+
+def tolerance(lin, x, exact):
+    """fp32: a few roundings of sums of n_in terms, each term at most |code * scale * x| + |zero * scale * x| (the
+    kernel sums codes times x and subtracts zero times the group's sum of x); bf16 adds one rounding of the output."""
+    codes, zeros = unpack_int4(lin.qweight).T.float(), unpack_int4(lin.qzeros).T.float()
+    s = lin.scales.T.float().repeat_interleave(lin.group_size, 1)
+    size = F.linear(x.abs().float(), codes * s + zeros.repeat_interleave(lin.group_size, 1) * s)
+    tol = 1e-6 * lin.in_features ** 0.5 * size
+    return tol if x.dtype == torch.float32 else tol + exact.abs() * 2**-8
+
+
+def test_pack_q4_layout_by_hand():
+    "Byte j of a pair holds row j's code for input k (low nibble) and k+1 (high); then 16 scales and 16 zeros, fp16."
+    codes = (torch.arange(16)[:, None] + torch.arange(64)[None]) % 16      # row j, input k: (j + k) mod 16
+    scales, zeros = torch.full((16, 1), 0.5), torch.arange(16.)[:, None]
+    packed = pack_q4(codes, scales, zeros)
+    assert packed.numel() == 16 * 64 // 2 + 16 * 4
+    assert packed[:16].tolist() == [(j % 16) | (((j + 1) % 16) << 4) for j in range(16)]           # inputs 0, 1
+    assert packed[16:32].tolist() == [((j + 2) % 16) | (((j + 3) % 16) << 4) for j in range(16)]   # inputs 2, 3
+    tail = packed[512:].view(torch.float16)
+    assert tail[:16].tolist() == [0.5] * 16 and tail[16:].tolist() == list(range(16))
+
+
+@pytest.mark.parametrize("n_out, n_in, group_size", [(960, 576, 64), (576, 576, 64), (3072, 576, 64), (576, 1536, 64),
+                                                     (48, 64, 32), (16, 256, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matvec_q4_matches_dequantized_reference(n_out, n_in, group_size, dtype):
+    lin = random_awq(n_out, n_in, group_size)
+    w, g = lin.q4_weights()
+    for rows in (1, 2, 3, 4, 5, 9, FUSED_MAX_ROWS):
+        x = torch.randn(rows, n_in, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        exact = lin.reference(x.float())  # dequantize_awq's fp32 weight, of the same (rounded) inputs
+        got = matvec_q4(w, x, n_out, g).float()
+        assert ((got - exact).abs() <= tolerance(lin, x, exact)).all(), (rows, (got - exact).abs().max())
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the AVX-512 / AVX2 paths are x86's")
+def test_every_instruction_set_path_matches():
+    """The same source built three ways (as -march=native gives it here, without AVX-512, without AVX2 either: the
+    plain loop), each checked against the reference (only the paths this CPU can run)."""
+    lin = random_awq(96, 192, 64, seed=3)
+    w, g = lin.q4_weights()
+    for extra in ((), ("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2")):
+        f = load_kernels(build_cpu_kernels(CPU_STEP_SOURCE, flags=(*STEP_CXX_FLAGS, *extra)), _STEP_SIGNATURES)
+        for rows in (1, 3, 6):
+            x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows))
+            y = torch.empty(rows, 96)
+            f["matvec_q4", torch.float32](w.data_ptr(), x.data_ptr(), y.data_ptr(), rows, 192, 96, g)
+            exact = lin.reference(x)
+            assert ((y - exact).abs() <= tolerance(lin, x, exact)).all(), (extra, rows)
+
+
+def test_bad_input_is_one_line():
+    lin = random_awq(32, 64, 32)
+    w, g = lin.q4_weights()
+    for call, word in [(lambda: matvec_q4(w, torch.randn(FUSED_MAX_ROWS + 1, 64), 32, g), "x must be"),
+                       (lambda: matvec_q4(w, torch.randn(2, 64), 48, g), "x must be"),
+                       (lambda: matvec_q4(w.float(), torch.randn(2, 64), 32, g), "x must be"),
+                       (lambda: pack_q4(torch.zeros(40, 64), torch.ones(40, 2), torch.zeros(40, 2)), "multiple of 16")]:
+        with pytest.raises(ValueError) as e: call()
+        assert "\n" not in str(e.value) and word in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def rtn_folder(tmp_path_factory, model_dir):
+    "The default model quantised with round-to-nearest, groups of 64 (AutoAWQ's GEMM format; seconds, no search)."
+    return quantize_folder(model_dir, tmp_path_factory.mktemp("rtn") / "rtn-g64", method="rtn", group_size=64)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_int4_step_matches_the_modules(rtn_folder, tokenizer, dtype):
+    """Three decode steps of three sequences, one call each, against the modules over the same pool: fp32 (the
+    modules dequantise, then F.linear) within float rounding; bf16 (the modules run PyTorch's CPU int4 kernel, which
+    keeps the fp16 scales rounded to bf16, where the step uses them exactly) the same tokens, logits within 8 bf16
+    ulps of the largest (0.52 measured here, 4 ulps, over 30 layers of bf16 activations)."""
+    prompts = [tokenizer.encode(t) for t in SHORT]
+    step = fuse_decode_step(fuse_cpu_ops(load_awq_model(rtn_folder, dtype)))
+    assert step.group_size == 64
+    step.timings = torch.zeros(5, dtype=torch.float64)
+    ops = fuse_cpu_ops(load_awq_model(rtn_folder, dtype))
+    got, k_got, _, _ = prefill_then_decode(step, prompts, steps=3)
+    want, k_want, _, _ = prefill_then_decode(ops, prompts, steps=3)
+    assert step.timings.sum() > 0  # the decode steps were the C++ call
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    if dtype == "float32": assert (got - want).abs().max() <= 1e-3 and torch.allclose(k_got, k_want, atol=1e-4)
+    else: assert (got - want).abs().max() <= 8 * 2.0 ** (torch.floor(torch.log2(want.abs().max())) - 7)
+
+
+def test_llm_picks_the_int4_step(rtn_folder):
+    "LLM(awq folder) resolves kernels='step' by itself and gives the greedy tokens of kernels='cpu' (the modules)."
+    llm = LLM(rtn_folder)
+    assert (llm.weights, llm.dtype, llm.kernels) == ("awq-int4", "bfloat16", "step")
+    prompts, params = SHORT, SamplingParams(max_tokens=12)
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    want = [o.token_ids for o in LLM(rtn_folder, kernels="cpu").generate(prompts, params)]
+    assert got == want
