@@ -213,8 +213,10 @@ BOTH_DTYPES(SILU_MUL)
 BOTH_DTYPES(PAGED_DECODE)
 #define PAGED_DECODE_Q8(T, S) extern "C" void paged_decode_q8_##S(const T* q, int64_t q_stride, const int8_t* k_pool, \
     const int8_t* v_pool, const float* k_scale, const float* v_scale, const int32_t* block_tables, int64_t max_blocks, \
-    const int32_t* seq_lens, int64_t block_size, T* out, int64_t batch, int64_t n_q, int64_t n_kv, int64_t d, float scale) \
-  { paged_decode_q8<T>(q, q_stride, k_pool, v_pool, k_scale, v_scale, block_tables, max_blocks, seq_lens, block_size, out, batch, n_q, n_kv, d, scale); }
+    const int32_t* seq_lens, int64_t block_size, T* out, int64_t batch, int64_t n_q, int64_t n_kv, int64_t d, \
+    float scale) \
+  { paged_decode_q8<T>(q, q_stride, k_pool, v_pool, k_scale, v_scale, block_tables, max_blocks, seq_lens, block_size, \
+                       out, batch, n_q, n_kv, d, scale); }
 BOTH_DTYPES(PAGED_DECODE_Q8)
 """
 
@@ -257,7 +259,9 @@ def build_cpu_kernels(source=None, out_dir=None, flags=CXX_FLAGS):
 
 # %% ../nbs/05b_cpu_kernels.ipynb #a7e02d96
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-_SIGNATURES = {"rms_norm": [_P, _P, _P, _P, _I, _I, _F], "rope": [_P, _P, _P, _I, _I, _I, _I], "silu_mul": [_P, _P, _I, _I], "paged_decode": [_P, _I, _P, _P, _I, _P, _P, _P, _P, _I, _P, _I, _P, _I, _I, _I, _I, _F],
+_SIGNATURES = {"rms_norm": [_P, _P, _P, _P, _I, _I, _F], "rope": [_P, _P, _P, _I, _I, _I, _I],
+               "silu_mul": [_P, _P, _I, _I],
+               "paged_decode": [_P, _I, _P, _P, _I, _P, _P, _P, _P, _I, _P, _I, _P, _I, _I, _I, _I, _F],
                "paged_decode_q8": [_P, _I, _P, _P, _P, _P, _P, _I, _P, _I, _P, _I, _I, _I, _I, _F]}  # chapter 07's int8
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 

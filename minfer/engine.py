@@ -258,7 +258,8 @@ class EngineConfig:
         None, "speculative decoding (ch. 09): ngram, draft, or JSON such as "
               "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"adaptive\": true}'")
     pd_split: bool = _switch(False, "prefill and decode on separate worker processes, KV sent between them (ch. 10)")
-    prefill_cores: str = _switch("auto", "CPU ids of the prefill worker (pd_split), e.g. '0' or '0-3'; auto: first half")
+    prefill_cores: str = _switch("auto",
+                                 "CPU ids of the prefill worker (pd_split), e.g. '0' or '0-3'; auto: first half")
     decode_cores: str = _switch("auto", "CPU ids of the decode worker (pd_split), e.g. '1'; auto: the other half")
     prefix_cache: bool = _switch(False, "reuse the KV of earlier prompts' shared prefixes (ch. 04; kv=paged)")
     chunked_prefill: bool = _switch(True, "split long prompts over steps under the token budget (ch. 08a)")
@@ -403,7 +404,8 @@ CONFIG_RULES = [
      lambda c: "attention='triton' on a CPU runs only in Triton's interpreter (TRITON_INTERPRET=1, set before triton "
                "is imported; float32 or float16: it computes bfloat16 wrongly); use attention='torch'"),
     (lambda c: not c.pd_split and (c.prefill_cores, c.decode_cores) != ("auto", "auto"),
-     lambda c: "prefill_cores / decode_cores place the workers of pd_split=True; set pd_split=True or leave them 'auto'"),
+     lambda c: "prefill_cores / decode_cores place the workers of pd_split=True; "
+               "set pd_split=True or leave them 'auto'"),
     (lambda c: c.pd_split and c.kv != "paged",
      lambda c: f"pd_split=True moves paged KV blocks between workers: it needs kv='paged' (got kv={c.kv!r})"),
     (lambda c: c.pd_split and c.device == "cpu" and (_bad_cores(c.prefill_cores) or _bad_cores(c.decode_cores)),

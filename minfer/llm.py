@@ -69,7 +69,8 @@ class LLM:
         if self.tokenizer.eos_token_id is not None: eos.add(self.tokenizer.eos_token_id)
         self.eos_ids = tuple(sorted(eos))
         if self.model is not None:
-            with torch.inference_mode():  # first-call setup (thread pools, kernels) should not count as the first request's TTFT
+            # first-call setup (thread pools, kernels) should not count as the first request's TTFT
+            with torch.inference_mode():
                 dev = self.config.device
                 self.model(torch.tensor([0], device=dev), torch.tensor([0], device=dev), lambda l, q, k, v: q)
 
