@@ -38,8 +38,12 @@ sync-check: install
 # (transformers may import it early, in the same process as chapter 05's notebook or test_flash.py).
 INTERPRET_IF_NO_CUDA = if $(BIN)/python -c "import torch, sys; sys.exit(torch.cuda.is_available())"; then export TRITON_INTERPRET=1; fi;
 
+# one process per notebook, one after another (each timed): a single nbdev-test worker running them all keeps every
+# chapter's models alive and ran out of memory (24 GB) with twenty chapters
 test-notebooks: install
-	$(INTERPRET_IF_NO_CUDA) $(BIN)/nbdev-test --n-workers 1
+	@$(INTERPRET_IF_NO_CUDA) failed=""; for nb in nbs/*.ipynb; do \
+	  $(BIN)/nbdev-test --n-workers 0 --timing "$$nb" || failed="$$failed $$nb"; done; \
+	  test -z "$$failed" || { echo "notebooks failing:$$failed"; exit 1; }
 
 # tests/test_site.py needs docs/ built from the current sources, and a headless Chromium
 docs-fresh: install
