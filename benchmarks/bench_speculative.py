@@ -102,8 +102,8 @@ def main(argv=None):
     floor = bw / weight_bytes_per_step(llm.model_config, "float32")
     lines = [f"# Speculative decoding (prompt lookup), medians of {a.repeats} alternating runs", "",
              f"- date: {datetime.datetime.now():%Y-%m-%d %H:%M}",
-             f"- machine: {machine()} (1-minute load average at the end: {os.getloadavg()[0]:.1f}; above the core count "
-             "means other jobs shared it)",
+             f"- machine: {machine()} (1-minute load average at the end: {os.getloadavg()[0]:.1f}; "
+             "above the core count means other jobs shared it)",
              f"- command: `python benchmarks/bench_speculative.py --repeats {a.repeats} --max-tokens {a.max_tokens}"
              f"{' --record' if a.record else ''}`",
              f"- model: the default (SmolLM2-135M-Instruct), default switches ({llm.config.kernels} kernels, "
