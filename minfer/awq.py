@@ -77,7 +77,7 @@ def text_path(name):
                                 "checkout's data/text/")
     return path
 
-def calibration_ids(tokenizer, n_samples=16, seq_len=128, text=None):
+def calibration_ids(tokenizer, n_samples=16, seq_len=512, text=None):
     """[n_samples, seq_len] token ids: the calibration text cut into blocks of seq_len tokens, n_samples of them evenly
     spaced over the whole text. AutoAWQ's `get_calib_dataset` likewise draws its samples from all of its dataset
     (shuffled), not from its head: a small set taken from the first tokens would see only the text's first pages."""
@@ -403,9 +403,10 @@ def quantize_model_tensors(model, group_size=64):
         tensors[p + "post_attention_layernorm.weight"] = half(layer.post_attention_layernorm.weight)
     return tensors
 
-def quantize_folder(src, dst, method="awq", group_size=64, n_samples=16, seq_len=128, calibration_text=None, log=None):
+def quantize_folder(src, dst, method="awq", group_size=64, n_samples=16, seq_len=512, calibration_text=None, log=None):
     """Write an AutoAWQ GEMM checkpoint of the HF folder `src` into `dst`: method "awq" (scale and clipping search on
-    `n_samples` x `seq_len` tokens of calibration text, then RTN) or "rtn" (round to nearest only). Returns dst."""
+    `n_samples` x `seq_len` tokens of calibration text, then RTN) or "rtn" (round to nearest only). Returns dst.
+    seq_len 512 is AutoAWQ's `max_calib_seq_len`; 16 x 512 tokens are most of the shipped calibration text."""
     from safetensors.torch import save_file
     if method not in ("awq", "rtn"): raise ValueError(f"method {method!r} is not supported; use 'awq' or 'rtn'")
     src, dst = Path(src), Path(dst)
