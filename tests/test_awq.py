@@ -381,8 +381,8 @@ def test_cli_quantize_then_llm_loads_the_folder(model_dir, tmp_path):
 def test_awq_folder_of_real_model_answers_paris(model_dir, tokenizer):
     """Chapter 06's AWQ folder of the default model (16 x 512 calibration tokens) still answers the chat question,
     through the CPU int4 kernel. With only 2 x 64 calibration tokens from the text's start it did not (it answered
-    "L'Étoil de combat"): the search overfits a calibration set that small. The search takes minutes on a 2-core CPU, so this runs where
-    the notebook's slow cells (or `minfer quantize`) have made the folder."""
+    "L'Étoil de combat"): the search overfits a calibration set that small. The search takes minutes on a 2-core CPU,
+    so this runs where the notebook's slow cells (or `minfer quantize`) have made the folder."""
     dst = data_dir() / "models" / "smollm2-135m-instruct-awq-g64"
     if not is_awq_folder(dst): pytest.skip(f"{dst} is not built (chapter 06's slow cells or `minfer quantize` make it)")
     assert len(json.loads((dst / "awq_report.json").read_text())) == 30
