@@ -77,12 +77,16 @@ def text_path(name):
                                 "checkout's data/text/")
     return path
 
-def calibration_ids(tokenizer, n_samples=16, seq_len=128, text=None):
-    "[n_samples, seq_len] token ids cut from the calibration text (the first n_samples * seq_len tokens)."
+def calibration_ids(tokenizer, n_samples=16, seq_len=512, text=None):
+    """[n_samples, seq_len] token ids: the calibration text cut into blocks of seq_len tokens, n_samples of them evenly
+    spaced over the whole text. AutoAWQ's `get_calib_dataset` likewise draws its samples from all of its dataset
+    (shuffled), not from its head: a small set taken from the first tokens would see only the text's first pages."""
     ids = tokenizer.encode(text if text is not None else text_path("calibration.txt").read_text())
-    if len(ids) < n_samples * seq_len:
+    n_blocks = len(ids) // seq_len
+    if n_blocks < n_samples:
         raise ValueError(f"the calibration text has {len(ids)} tokens; {n_samples} x {seq_len} were asked for")
-    return torch.tensor(ids[:n_samples * seq_len]).reshape(n_samples, seq_len)
+    blocks = torch.tensor(ids[:n_blocks * seq_len]).reshape(n_blocks, seq_len)
+    return blocks[torch.arange(n_samples) * n_blocks // n_samples]
 
 class CausalBatch:
     "Attention for `n_seqs` equal-length sequences packed as rows [n_seqs * T]: each row sees its own sequence's past."
@@ -399,9 +403,10 @@ def quantize_model_tensors(model, group_size=64):
         tensors[p + "post_attention_layernorm.weight"] = half(layer.post_attention_layernorm.weight)
     return tensors
 
-def quantize_folder(src, dst, method="awq", group_size=64, n_samples=16, seq_len=128, calibration_text=None, log=None):
+def quantize_folder(src, dst, method="awq", group_size=64, n_samples=16, seq_len=512, calibration_text=None, log=None):
     """Write an AutoAWQ GEMM checkpoint of the HF folder `src` into `dst`: method "awq" (scale and clipping search on
-    `n_samples` x `seq_len` tokens of calibration text, then RTN) or "rtn" (round to nearest only). Returns dst."""
+    `n_samples` x `seq_len` tokens of calibration text, then RTN) or "rtn" (round to nearest only). Returns dst.
+    seq_len 512 is AutoAWQ's `max_calib_seq_len`; 16 x 512 tokens are most of the shipped calibration text."""
     from safetensors.torch import save_file
     if method not in ("awq", "rtn"): raise ValueError(f"method {method!r} is not supported; use 'awq' or 'rtn'")
     src, dst = Path(src), Path(dst)

@@ -18,9 +18,10 @@ if not CUDA: os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from safetensors.torch import save_file
 from minfer.model import Llama, ModelConfig, NoCache, Tokenizer, data_dir, load_model
-from minfer.awq import (AWQLinear, awq_bytes_per_token, awq_gemm, awq_transform, check_awq_config, dequantize_awq,
-                        dequantize_groups, fake_quantize, fuse_awq, is_awq_folder, load_awq_model, pack_awq, pack_int4,
-                        perplexity, quantize_folder, quantize_groups, search_clip, apply_clip, unpack_int4)
+from minfer.awq import (AWQLinear, awq_bytes_per_token, awq_gemm, awq_transform, calibration_ids, check_awq_config,
+                        dequantize_awq, dequantize_groups, fake_quantize, fuse_awq, is_awq_folder, load_awq_model,
+                        pack_awq, pack_int4, perplexity, quantize_folder, quantize_groups, search_clip, apply_clip,
+                        unpack_int4)
 
 DEV = "cuda" if CUDA else "cpu"
 gpu = pytest.mark.gpu
@@ -236,6 +237,21 @@ def test_awq_scales_fold_exactly(n_kv_heads):
         assert r["awq_error"]["gate_up_proj"] < r["rtn_error"]["gate_up_proj"]
 
 
+def test_calibration_samples_span_the_text(tokenizer):
+    """Calibration blocks are contiguous runs of the text's tokens, distinct, spread over the whole text (as AutoAWQ
+    draws samples from all of its dataset): with 4 blocks of 64 the last one starts in the text's last third."""
+    text = (data_dir() / "text" / "calibration.txt").read_text()
+    stream = tokenizer.encode(text)
+    ids = calibration_ids(tokenizer, n_samples=4, seq_len=64)
+    assert ids.shape == (4, 64)
+    starts = []
+    for row in ids.tolist():  # each row is stream[i:i + 64] for a block-aligned i
+        starts.append(next(i for i in range(0, len(stream) - 63, 64) if stream[i:i + 64] == row))
+    assert starts == sorted(set(starts)) and starts[0] == 0 and starts[-1] >= 2 * len(stream) / 3
+    assert calibration_ids(tokenizer, 1, 64, text="a b c " * 100).shape == (1, 64)
+    with pytest.raises(ValueError, match="were asked for"): calibration_ids(tokenizer, len(stream) // 64 + 1, 64)
+
+
 def test_clip_search_range():
     w, x = random_weight(64, 128, seed=3), torch.randn(300, 128)
     best = search_clip(w, x, group_size=32)
@@ -363,10 +379,10 @@ def test_cli_quantize_then_llm_loads_the_folder(model_dir, tmp_path):
         assert "\n" not in str(e.value) and words in str(e.value)
 
 def test_awq_folder_of_real_model_answers_paris(model_dir, tokenizer):
-    """Chapter 06's AWQ folder of the default model (8 x 64 calibration tokens) still answers the chat question,
-    through the CPU int4 kernel. With only 2 x 64 calibration tokens it does not (it answers "L'Étoil de combat"):
-    the search overfits a calibration set that small. The search takes minutes on a 2-core CPU, so this runs where
-    the notebook's slow cells (or `minfer quantize`) have made the folder."""
+    """Chapter 06's AWQ folder of the default model (16 x 512 calibration tokens) still answers the chat question,
+    through the CPU int4 kernel. With only 2 x 64 calibration tokens from the text's start it did not (it answered
+    "L'Étoil de combat"): the search overfits a calibration set that small. The search takes minutes on a 2-core CPU,
+    so this runs where the notebook's slow cells (or `minfer quantize`) have made the folder."""
     dst = data_dir() / "models" / "smollm2-135m-instruct-awq-g64"
     if not is_awq_folder(dst): pytest.skip(f"{dst} is not built (chapter 06's slow cells or `minfer quantize` make it)")
     assert len(json.loads((dst / "awq_report.json").read_text())) == 30
