@@ -11,7 +11,7 @@ from hypothesis import given, settings, HealthCheck, strategies as st
 
 from minfer.engine import LLMEngine, make_workload
 from minfer.paged import PagedKVCache
-from minfer.kvquant import QuantizedKVCache, kv_logprobs
+from minfer.kvquant import QuantizedKVCache, Int4KVCache, kv_logprobs
 from minfer.kvcache import cached_generate, ContiguousKVCache
 from minfer.sequence import Sequence, SamplingParams
 from minfer.llm import LLM
@@ -23,11 +23,11 @@ TEXTS = ["The three primary colors are", "def fibonacci(n):", "Once upon a time,
 
 # every test that takes `kv_dtype` runs with each KV format (chapter 07): a lossy format's reference is the same format,
 # the sequence alone in a fresh pool, whole prompt in one step (chapter 07's `kv_logprobs`, greedy); "auto" is lossless
-KV_DTYPES = ["auto", "int8", "fp8"]
+KV_DTYPES = ["auto", "int8", "fp8", "int4"]
 # A different batch shape changes float summation order (1e-6 relative), which can move a stored element across a code
 # boundary: one int8 step is amax/127 of its vector, one fp8 step 1/16 of the element. Measured: such a flip moved the
 # top-2 logit gap by 0.14 at most (fp8, preempted and recomputed). So a divergence is allowed below these gaps.
-NEAR_TIE = {"auto": 1e-3, "int8": 0.05, "fp8": 0.25}
+NEAR_TIE = {"auto": 1e-3, "int8": 0.05, "fp8": 0.25, "int4": 0.25}
 
 _solo_cache = {}
 def solo(model, ids, n, kv_dtype="auto"):
@@ -61,7 +61,11 @@ def greedy(ids, n, tok): return Sequence(ids, SamplingParams(max_tokens=n, ignor
 def run(engine):
     while engine.has_unfinished(): engine.step()
 
-def pool(model, blocks, block_size=16, kv_dtype="auto"):
+def pool(model, blocks, block_size=16, kv_dtype="auto", max_seqs=64):
+    "kv_cache_bytes that hold `blocks` blocks (int4: plus its residual window, a block per running sequence)."
+    if kv_dtype == "int4":
+        window = max_seqs * Int4KVCache.residual_bytes(model.cfg, block_size, model.dtype)
+        return blocks * QuantizedKVCache.block_bytes(model.cfg, block_size, model.dtype, kv_dtype) + window
     if kv_dtype != "auto": return blocks * QuantizedKVCache.block_bytes(model.cfg, block_size, model.dtype, kv_dtype)
     return blocks * PagedKVCache.block_bytes(model.cfg, block_size, model.dtype)
 
@@ -176,8 +180,9 @@ def test_random_arrivals_and_aborts(model, tokenizer, data):
     blocks = data.draw(st.integers(6, 24), "blocks")
     prefix = data.draw(st.booleans(), "prefix_cache")
     kv_dtype = data.draw(st.sampled_from(KV_DTYPES), "kv_dtype")
-    eng = LLMEngine(model, block_size=4, kv_cache_bytes=pool(model, blocks, 4, kv_dtype), max_num_batched_tokens=budget,
-                    prefix_cache=prefix, max_num_seqs=data.draw(st.integers(1, 6)), kv_dtype=kv_dtype)
+    seqs = data.draw(st.integers(1, 6))
+    eng = LLMEngine(model, block_size=4, kv_cache_bytes=pool(model, blocks, 4, kv_dtype, seqs), max_num_batched_tokens=budget,
+                    prefix_cache=prefix, max_num_seqs=seqs, kv_dtype=kv_dtype)
     pending = [greedy(tokenizer.encode(TEXTS[data.draw(st.integers(0, len(TEXTS) - 1))]), data.draw(st.integers(1, 5)), tokenizer) for _ in range(data.draw(st.integers(1, 6)))]
     added, aborted = [], set()
     for _ in range(200):
