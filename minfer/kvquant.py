@@ -219,9 +219,9 @@ class Int4View:
             x = torch.where(partial[:, None, None], res[c.res_of[blocks].clamp(min=0) * bs + slots % bs], x)
         return x
 
-    def attend_chunk(self, q, v_flat, slots, row):
+    def attend_chunk(self, q, v_flat, slots):
         """Causal attention of a prefill chunk: q [T, Hq, d] are the last T of the n positions at `slots` (a slice or
-        ids from `key_slots`), this step's rows `row:row + T`. Every query reads the complete blocks quantized and its
+        ids from `key_slots`). Every query reads the complete blocks quantized and its
         own block, up to itself, at full precision, unless it is the block's last token (then its block is complete
         and quantized): the same as decode reads, so chunking does not change what a query sees."""
         c, bs = self.cache, self.cache.block_size
@@ -231,13 +231,12 @@ class Int4View:
         k, v = self.rows(slots).to(q.dtype), v_flat.rows(slots).to(q.dtype)
         lo, hi = start // bs * bs, n // bs * bs  # the blocks this chunk completed: quantized now, but not for their own
         if hi <= lo: return attend(q, k, v)      # queries (but the last), which read them at full precision
-        layer, k_new, v_new = c.fresh
-        assert layer == self.layer, "attend_chunk reads the rows the last `store` wrote: store this layer first"
-        b0, r = int(slots[lo]) // bs, None
-        if start > lo: r = int(c.res_of[b0])  # that block's earlier tokens, stored in earlier steps
-        full_k, full_v = ([res[self.layer, r, :start - lo]] if r is not None else [] for res in (c.k_res, c.v_res))
-        k_x = torch.cat(full_k + [k_new[row:row + hi - start].to(c.dtype)]).to(q.dtype)
-        v_x = torch.cat(full_v + [v_new[row:row + hi - start].to(c.dtype)]).to(q.dtype)
+        fresh = c.fresh  # the blocks this step completed, unquantized, as `store` assembled them to quantize them
+        assert fresh["layer"] == self.layer, "attend_chunk reads what the last `store` wrote: store this layer first"
+        at = fresh["done_at"][slots[lo:hi] // bs]
+        assert (at >= 0).all(), "a prefill chunk completed a block that `store` did not quantize in this step"
+        rows = at * bs + slots[lo:hi] % bs
+        k_x, v_x = fresh["k"][rows].to(q.dtype), fresh["v"][rows].to(q.dtype)
         qpos = torch.arange(start, n, device=q.device)[:, None]
         kpos, xpos = torch.arange(n, device=q.device), torch.arange(lo, hi, device=q.device)
         reads_own = qpos % bs != bs - 1  # queries that read their own block at full precision
@@ -319,7 +318,7 @@ class Int4KVCache(PagedKVCache):
         bs, full = self.block_size, self.full.tolist()
         by_block = {}
         for row, s in enumerate(slots.tolist()): by_block.setdefault(s // bs, []).append((row, s % bs))
-        res_rows, res_dst, done, rewrite = [], [], [], []
+        done, rewrite, partial = [], [], []
         old_src, old_dst, new_rows, new_dst = [], [], [], []  # completed blocks: rows from the residual, and new rows
         for b, items in by_block.items():
             rows, offs = [r for r, _ in items], [o for _, o in items]
@@ -327,22 +326,27 @@ class Int4KVCache(PagedKVCache):
                 rewrite.append((b, rows, offs))
             elif offs[-1] == bs - 1:  # complete now: quantized from its earlier tokens' residual rows and the new ones
                 at, r = len(done) * bs, int(self.res_of[b])
+                assert r >= 0 or offs[0] == 0, f"block {b} was written before without a residual slot"
                 old_src += [r * bs + o for o in range(offs[0])]
                 old_dst += [at + o for o in range(offs[0])]
                 new_rows += rows
                 new_dst += [at + o for o in offs]
                 done.append(b)
-            else:
-                r = self.residual_slot(b, keep=by_block)
-                res_rows += rows
-                res_dst += [r * bs + o for o in offs]
-        # fresh or growing blocks are not quantized yet, completed ones are, re-quantized ones stay so
+            else: partial.append((b, rows, offs))
+        # completed blocks are quantized from now on (`store` reads their residual rows before it writes any), so their
+        # slots may go to this step's incomplete blocks; fresh or growing blocks are not quantized yet
         t = lambda x: torch.tensor(x, dtype=torch.int64, device=self.k.device)
-        kept = {b for b, _, _ in rewrite}
-        self.full[t(list(by_block))] = torch.tensor([b in done or b in kept for b in by_block], device=self.k.device)
+        self.full[t(done + [b for b, _, _ in partial])] = torch.arange(len(done) + len(partial), device=self.k.device) < len(done)
+        res_rows, res_dst, growing = [], [], {b for b, _, _ in partial}
+        for b, rows, offs in partial:
+            r = self.residual_slot(b, keep=growing)
+            res_rows += rows
+            res_dst += [r * bs + o for o in offs]
+        done_at = torch.full((self.num_blocks,), -1, dtype=torch.int64, device=self.k.device)
+        done_at[t(done)] = torch.arange(len(done), device=self.k.device)
         self.step = dict(slots=slots, layers=set(), res_rows=t(res_rows), res_dst=t(res_dst), done=t(done),
-                         old_src=t(old_src), old_dst=t(old_dst), new_rows=t(new_rows), new_dst=t(new_dst),
-                         rewrite=rewrite)
+                         done_at=done_at, old_src=t(old_src), old_dst=t(old_dst), new_rows=t(new_rows),
+                         new_dst=t(new_dst), rewrite=rewrite)
 
     def store(self, layer, slots, k, v):
         "Keys and values [T, kv_heads, head_dim] of T new tokens at flat slot ids `slots` of `layer` (see `plan`)."
@@ -352,16 +356,17 @@ class Int4KVCache(PagedKVCache):
             p = self.step
         p["layers"].add(layer)
         k, v = k.to(self.dtype), v.to(self.dtype)
-        self.fresh = (layer, k, v)  # this step's rows at full precision: `Int4View.attend_chunk` reads them
         H, d, bs = k.shape[1], k.shape[2], self.block_size
-        blocks = []
-        for res, x in ((self.k_res, k), (self.v_res, v)):
+        whole = {}
+        for name, res, x in (("k", self.k_res, k), ("v", self.v_res, v)):
             flat = res[layer].view(-1, H, d)
-            flat[p["res_dst"]] = x[p["res_rows"]]
-            whole = x.new_empty(len(p["done"]) * bs, H, d)
-            whole[p["old_dst"]], whole[p["new_dst"]] = flat[p["old_src"]], x[p["new_rows"]]
-            blocks.append(whole.view(-1, bs, H, d))
-        if len(p["done"]): self.write_quantized(layer, p["done"], *blocks)
+            w = x.new_empty(len(p["done"]) * bs, H, d)  # completed blocks: residual rows first, then this step's
+            w[p["old_dst"]], w[p["new_dst"]] = flat[p["old_src"]], x[p["new_rows"]]
+            flat[p["res_dst"]] = x[p["res_rows"]]       # then the incomplete blocks' rows (maybe into a freed slot)
+            whole[name] = w
+        if len(p["done"]): self.write_quantized(layer, p["done"], whole["k"].view(-1, bs, H, d),
+                                                whole["v"].view(-1, bs, H, d))
+        self.fresh = dict(layer=layer, done_at=p["done_at"], **whole)  # for `Int4View.attend_chunk`
         for b, rows, offs in p["rewrite"]:
             kb, vb = (view.rows(torch.arange(b * bs, (b + 1) * bs, device=k.device))[None] for view in self.layer(layer))
             kb[0, offs], vb[0, offs] = k[rows], v[rows]

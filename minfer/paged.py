@@ -268,7 +268,7 @@ class PagedAttention:
         out = torch.empty_like(q)
         for r0, r1, slots in prefill:
             if hasattr(k_flat, "attend_chunk"):  # chapter 07's int4 pool: a query reads its own block unquantized
-                out[r0:r1] = k_flat.attend_chunk(q[r0:r1], v_flat, slots, r0)
+                out[r0:r1] = k_flat.attend_chunk(q[r0:r1], v_flat, slots)
                 continue
             out[r0:r1] = attend(q[r0:r1], take(k_flat, slots).to(q.dtype), take(v_flat, slots).to(q.dtype))
         for rows, slots, mask in decode:

@@ -243,7 +243,7 @@ def test_int4_keys_per_channel_values_per_token_within_half_a_step():
     assert codes.shape == (4, 16, 3, 32) and scale.shape == (4, 16, 3, 2)  # groups of 32 channels
     g = x.unflatten(-1, (2, 32))
     bound = (g.amax(-1, keepdim=True) - g.amin(-1, keepdim=True)) / 30 + 2**-10 * g.abs().amax(-1, keepdim=True)
-    assert ((int4.dequantize_values(codes, scale, zero) - x).abs() <= bound.flatten(-2)).all()
+    assert ((int4.dequantize_values(codes, scale, zero) - x).abs() <= bound.expand_as(g).flatten(-2)).all()
     # the layouts matter: with the outlier channel, a scale per channel beats one per token by far on keys
     assert (quantize_round_trip(x, -1) - x).norm() > 2 * (quantize_round_trip(x, 1) - x).norm()
 
@@ -356,11 +356,14 @@ def test_int4_paged_attention_equals_the_position_rule_reference(chunks, dtype, 
 
 
 def test_int4_log_probs_do_not_depend_on_chunking(model, tokenizer):
-    "The rule makes the KV a function of positions: whole prompt, chunks and decode agree up to float summation order."
+    """The rule makes the KV a function of positions: whole prompt, chunks and decode agree up to float summation order,
+    which can still move an element across a code boundary. Measured on this text: 0.09 (chunks of 7) and 0.36 (one
+    token at a time) at most, int8 0.28 and 0.38; with `attend_chunk` removed (each query reading blocks as complete
+    as the store left them) 4.9, and 5% of the top tokens change."""
     ids = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)[:45]
     runs = {c: kv_logprobs(model, ids, "int4", chunk=c) for c in (45, 7, 1)}
     for c in (7, 1):
-        assert (runs[c] - runs[45]).abs().max() < 0.05
+        assert (runs[c] - runs[45]).abs().max() < 0.6
         assert torch.equal(runs[c].argmax(-1), runs[45].argmax(-1))
 
 
