@@ -137,7 +137,9 @@ def test_quality_on_held_out_text_within_the_measured_table(quality):
     assert abs(quality["fp8"]["ppl_change_pct"]) < 2.5 and quality["fp8"]["kl_mean"] < 0.01
     assert quality["int8"]["same_top1"] > 0.97 and quality["fp8"]["same_top1"] > 0.93
     assert quality["int8"]["kl_mean"] < quality["fp8"]["kl_mean"]  # 8 bits of mantissa-like steps beat 3
-    assert abs(quality["int4"]["ppl_change_pct"]) < INT4_PPL_BOUND and quality["fp8"]["kl_mean"] < quality["int4"]["kl_mean"]
+    # int4: measured KL mean 0.0055 and 95.3% same top-1 here (fp8 0.0046 and 95.3%)
+    assert abs(quality["int4"]["ppl_change_pct"]) < INT4_PPL_BOUND and quality["int4"]["kl_mean"] < 0.015
+    assert quality["int4"]["same_top1"] > 0.9 and quality["int8"]["kl_mean"] < quality["int4"]["kl_mean"]
 
 
 def dequantized(x): return KV_FORMATS["int8"].dequantize(*KV_FORMATS["int8"].quantize(x))
@@ -220,7 +222,7 @@ def test_cpu_kernel_reads_int8(dtype, tol, fused_rows):
 # ---- int4, KIVI-style ----
 
 TINY = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=2, head_dim=8)
-INT4_PPL_BOUND = 8.0  # 256 tokens; see test_quality_on_held_out_text_within_the_measured_table
+INT4_PPL_BOUND = 5.0  # the target; measured +0.64% on these 256 tokens, +0.17% on the chapter's 1,024
 
 
 def test_int4_packs_two_codes_per_byte_low_nibble_first():
