@@ -219,6 +219,13 @@ class Int4View:
             x = torch.where(partial[:, None, None], res[c.res_of[blocks].clamp(min=0) * bs + slots % bs], x)
         return x
 
+    def kernel_tensors(self):
+        "This layer of the pool as chapter 05's Triton decode kernel reads it (`decode_attention(..., int4=)`)."
+        c, l = self.cache, self.layer
+        return dict(k=c.k[l], v=c.v[l], k_scale=c.k_scale[l], k_zero=c.k_zero[l], v_scale=c.v_scale[l],
+                    v_zero=c.v_zero[l], full=c.full.view(torch.uint8), res_of=c.res_of, k_res=c.k_res[l],
+                    v_res=c.v_res[l], v_group=c.format.group_of(c.cfg.head_dim))
+
     def attend_chunk(self, q, v_flat, slots):
         """Causal attention of a prefill chunk: q [T, Hq, d] are the last T of the n positions at `slots` (a slice or
         ids from `key_slots`). Every query reads the complete blocks quantized and its

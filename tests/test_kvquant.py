@@ -90,7 +90,6 @@ def test_copy_on_write_and_transfers_move_codes_and_scales(kv_dtype):
     (dict(kv_dtype="fp8", kv="contiguous", kernels="cpu"), "needs kv='paged'"),
     (dict(kv_dtype="float16"), "stored in the model's dtype"),
     (dict(kv_dtype="int3"), "kv_dtype='int3' is not supported"),
-    (dict(kv_dtype="int4", attention="triton"), "attention='triton' does not read kv_dtype='int4'"),
     (dict(kv_dtype="int4", attention="cpu"), "attention='cpu' does not read kv_dtype='int4'"),
     (dict(kv_dtype="int4", kernels="step"), "kernels='step' reads K/V in the model's dtype"),
     (dict(kv_dtype="int4", speculative="ngram"), "speculative decoding cannot roll back"),
@@ -380,3 +379,55 @@ def test_engine_runs_int4_and_answers_paris(model_dir):
                         SamplingParams(max_tokens=20, ignore_eos=True), raw=True)
     assert all(len(o.samples[0].token_ids) == 20 for o in outs)
     assert len(llm.engine.cache.res_owner) == 4 and llm.engine.cache.allocator.num_used == 0  # one slot per sequence
+
+
+def triton_int4_decode_case(dtype, device, lens, H=2, Hq=6, D=16, bs=4, seed=0):
+    """An int4 pool (sequences over shuffled blocks, stored in chunks of 3 so that some blocks complete and the last
+    ones may not), then one decode token per sequence through chapter 05's Triton kernel -> (out, the independent
+    reference of the rule for each sequence's last position)."""
+    from minfer.flash import TritonAttention
+    g = torch.Generator().manual_seed(seed)
+    cfg = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=H, head_dim=D)
+    nblocks = sum(-(-n // bs) for n in lens) + 2
+    cache = Int4KVCache(cfg, nblocks, bs, dtype=dtype, device=device, residual_slots=len(lens))
+    cache.allocator.allocate(nblocks)
+    ids = torch.randperm(nblocks, generator=g).tolist()
+    tables, ks, vs = [], [], []
+    for n in lens:
+        nb = -(-n // bs)
+        tables.append(BlockTable(cache.allocator, ids[:nb], 0, share=False)); ids = ids[nb:]
+        ks.append(torch.randn(n, H, D, generator=g)); vs.append(torch.randn(n, H, D, generator=g))
+    ref_attn = PagedAttention(cache)
+    for t, k, v, n in zip(tables, ks, vs, lens):
+        for s in range(0, n - 1, 3):  # the prompt, in chunks of 3 (chapter 03's path)
+            e = min(s + 3, n - 1)
+            t.append_slots(e - s)
+            ref_attn.meta = build_batch_meta([(t, s, e - s)], bs, device)
+            ref_attn(0, torch.zeros(e - s, Hq, D, dtype=dtype, device=device), k[s:e].to(device, dtype),
+                     v[s:e].to(device, dtype))
+    for t in tables: t.append_slots(1)
+    q = torch.randn(len(lens), Hq, D, generator=g)
+    attn = TritonAttention(cache)
+    attn.meta = build_batch_meta([(t, n - 1, 1) for t, n in zip(tables, lens)], bs, device)
+    out = attn(0, q.to(device, dtype), torch.stack([k[-1] for k in ks]).to(device, dtype),
+               torch.stack([v[-1] for v in vs]).to(device, dtype))
+    r = lambda x: x.to(dtype).float()  # the reference reads what was stored: K and V rounded to the pool's dtype
+    ref = torch.cat([int4_reference(r(q[i:i + 1]), r(ks[i]), r(vs[i]), bs, min(32, D)) for i in range(len(lens))])
+    return out.float().cpu(), ref
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 1e-2)])
+def test_triton_decode_reads_int4_tile_by_tile(dtype, tol):
+    """Chapter 05's decode kernel on an int4 pool (interpreter on a CPU: fp32/fp16, small shapes) == the independent
+    reference: complete blocks dequantized (two codes a byte, per-channel key and per-group value scales), the blocks
+    not complete yet read from the residual window; lengths with a complete, a partial and a one-token last block."""
+    if torch.cuda.is_available(): pytest.skip("the compiled version is test_triton_int4_decode_compiled")
+    out, ref = triton_int4_decode_case(dtype, "cpu", [11, 1, 29, 8])
+    assert torch.allclose(out, ref, atol=tol), (out - ref).abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-2), (torch.float16, 1e-2), (torch.bfloat16, 3e-2)])
+def test_triton_int4_decode_compiled(dtype, tol):
+    out, ref = triton_int4_decode_case(dtype, "cuda", [517, 1, 300, 33, 64], H=8, Hq=32, D=128, bs=16)
+    assert torch.allclose(out, ref, atol=tol), (out - ref).abs().max()
