@@ -254,7 +254,8 @@ class EngineConfig:
                            ("auto", "torch", "cpu", "step"))
     attention: str = _switch("auto", "attention backend: torch (ch. 03), triton (05), cpu (05b); auto = kernels' own",
                              lambda: ("auto", *ATTENTION_BACKENDS))
-    kv_dtype: str = _switch("auto", "KV cache storage: auto = the model's dtype; int8, fp8, int4 (KIVI) quantized (ch. 07)",
+    kv_dtype: str = _switch("auto", "KV cache storage: auto = the model's dtype; int8, fp8, int4 (KIVI): quantized "
+                                    "(ch. 07)",
                             ("auto", *DTYPES, *KV_FORMATS))
     speculative: str | dict | SpeculativeConfig | None = _switch(
         None, "speculative decoding (ch. 09): ngram, draft, or JSON such as "

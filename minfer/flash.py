@@ -77,7 +77,8 @@ def _check_paged(q, k_cache, v_cache, block_tables, seq_lens, int8_ok=False, int
                          f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
     Hq, D, Hkv = q.shape[1], q.shape[2], k_cache.shape[2]
     packed = int4_ok and k_cache.dtype == torch.uint8  # chapter 07's int4: two codes per byte
-    if k_cache.shape[3] != (D // 2 if packed else D) or Hq % Hkv: raise ValueError(f"head dims {D} vs {k_cache.shape[3]}, or Hq={Hq} not a multiple of Hkv={Hkv}")
+    if k_cache.shape[3] != (D // 2 if packed else D) or Hq % Hkv:
+        raise ValueError(f"head dims {D} vs {k_cache.shape[3]}, or Hq={Hq} not a multiple of Hkv={Hkv}")
     if k_cache.dtype != v_cache.dtype or (q.dtype != k_cache.dtype and not (int8_ok and k_cache.dtype == torch.int8)
                                           and not packed):
         raise ValueError(f"dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")

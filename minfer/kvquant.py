@@ -114,7 +114,8 @@ def kv_cache_from_budget(cfg, budget_bytes, block_size=16, dtype=torch.float32, 
                          max_seqs=64):
     """The paged pool for `kv_dtype`: chapter 03's in the model's dtype ('auto' or that dtype's name), else quantized.
     max_seqs: sequences running at once, at most (int4 reserves a residual slot for each, `Int4KVCache` below)."""
-    if kv_dtype == "int4": return Int4KVCache.from_budget(cfg, budget_bytes, block_size, dtype, device, max_seqs=max_seqs)
+    if kv_dtype == "int4":  # `Int4KVCache`, below
+        return Int4KVCache.from_budget(cfg, budget_bytes, block_size, dtype, device, max_seqs=max_seqs)
     if kv_dtype in KV_FORMATS:
         return QuantizedKVCache.from_budget(cfg, budget_bytes, block_size, dtype, device, kv_dtype)
     if kv_dtype not in ("auto", str(dtype).removeprefix("torch.")):
@@ -152,7 +153,8 @@ class KIVIFormat:
 
     def group_of(self, head_dim):
         g = min(self.group, head_dim)
-        if head_dim % g or head_dim % 2: raise ValueError(f"int4 KV needs an even head_dim divisible by {g}: {head_dim}")
+        if head_dim % g or head_dim % 2:
+            raise ValueError(f"int4 KV needs an even head_dim divisible by {g}: {head_dim}")
         return g
 
     @staticmethod
@@ -209,7 +211,8 @@ class Int4View:
         c, l, bs = self.cache, self.layer, self.cache.block_size
         blocks = slots // bs
         if self.which == "k":
-            x = c.format.dequantize_keys(c.k[l].flatten(0, 1)[slots], c.k_scale[l][blocks], c.k_zero[l][blocks], c.dtype)
+            x = c.format.dequantize_keys(c.k[l].flatten(0, 1)[slots], c.k_scale[l][blocks], c.k_zero[l][blocks],
+                                         c.dtype)
         else:
             x = c.format.dequantize_values(c.v[l].flatten(0, 1)[slots], c.v_scale[l].flatten(0, 1)[slots],
                                            c.v_zero[l].flatten(0, 1)[slots], c.dtype)
@@ -343,7 +346,8 @@ class Int4KVCache(PagedKVCache):
         # completed blocks are quantized from now on (`store` reads their residual rows before it writes any), so their
         # slots may go to this step's incomplete blocks; fresh or growing blocks are not quantized yet
         t = lambda x: torch.tensor(x, dtype=torch.int64, device=self.k.device)
-        self.full[t(done + [b for b, _, _ in partial])] = torch.arange(len(done) + len(partial), device=self.k.device) < len(done)
+        order = torch.arange(len(done) + len(partial), device=self.k.device)
+        self.full[t(done + [b for b, _, _ in partial])] = order < len(done)
         res_rows, res_dst, growing = [], [], {b for b, _, _ in partial}
         for b, rows, offs in partial:
             r = self.residual_slot(b, keep=growing)
@@ -375,7 +379,8 @@ class Int4KVCache(PagedKVCache):
                                                 whole["v"].view(-1, bs, H, d))
         self.fresh = dict(layer=layer, done_at=p["done_at"], **whole)  # for `Int4View.attend_chunk`
         for b, rows, offs in p["rewrite"]:
-            kb, vb = (view.rows(torch.arange(b * bs, (b + 1) * bs, device=k.device))[None] for view in self.layer(layer))
+            block_slots = torch.arange(b * bs, (b + 1) * bs, device=k.device)
+            kb, vb = (view.rows(block_slots)[None] for view in self.layer(layer))
             kb[0, offs], vb[0, offs] = k[rows], v[rows]
             self.write_quantized(layer, torch.tensor([b], device=k.device), kb, vb)
 
