@@ -2,9 +2,11 @@
 
 Every format runs on the same model with kernels=cpu (the one-call decode step of chapter 05c reads only the model's
 dtype) and `--attention`: torch (chapter 03's reference, which reads every format) or auto (each format's own: the C++
-decode kernel of chapter 05b for the model's dtype and int8, the reference for fp8), with the same fixed
+decode kernel of chapter 05b for the model's dtype and int8, the reference for fp8 and int4), with the same fixed
 `kv_cache_bytes`, sized so the model's own dtype holds only `--fit` of the requests at once: the others wait, or are
-preempted and recomputed when the pool runs out. Formats alternate (A B C A B C ...), medians.
+preempted and recomputed when the pool runs out. Formats alternate (A B C A B C ...), medians. max_num_seqs is the
+number of requests, so int4 reserves its residual window (a block in the model's dtype per running sequence) for
+that many out of the same budget.
 
     python benchmarks/bench_kvquant.py [--requests 16] [--prompt 256] [--out 32] [--fit 4] [--repeats 2] [--dtype float32]
         [--attention torch|auto] [--record]
@@ -51,7 +53,7 @@ def main():
     budget = a.fit * per_request_blocks * base.block_size * kv_token_bytes(model.cfg, base.dtype)
     formats = ["auto", *KV_FORMATS]
     configs = {f: EngineConfig(kernels="cpu", attention=a.attention, device="cpu", dtype=a.dtype, kv_dtype=f,
-                               kv_cache_bytes=budget).resolve()
+                               kv_cache_bytes=budget, max_num_seqs=a.requests).resolve()
                for f in formats}
     results = {f: [] for f in formats}
     for r in range(a.repeats):

@@ -90,7 +90,8 @@ class ModelRunner:
         "Ledger for the step, and each sequence's share: weights split evenly over the batch, plus its own KV traffic."
         self.ledger.record([n for _, n in batch], [s.num_computed for s, _ in batch], logits_rows=n_logits)
         w = weight_bytes_per_step(self.model.cfg, self.ledger.dtype, self.ledger.projection_bits) / len(batch)
-        kvb = kv_token_bytes(self.model.cfg, getattr(self.cache, "kv_dtype", self.ledger.dtype))  # ch. 07: scales too
+        kvb = kv_token_bytes(self.model.cfg, getattr(self.cache, "kv_dtype", self.ledger.dtype),  # ch. 07: scales too
+                             self.cache.block_size)
         for s, n in batch: s.bytes_moved += w + (s.num_computed + n) * kvb
 
 # %% ../nbs/08b_engine.ipynb #e1bb6271
@@ -113,7 +114,8 @@ class LLMEngine:
         "speculative: None, or a `SpeculativeConfig` (chapter 09: its proposer guesses, the runner verifies)."
         self.model, self.cfg = model, model.cfg
         # kv_dtype: 'auto' = the model's dtype (chapter 03's pool), or one of chapter 07's quantized formats
-        self.cache = kv_cache_from_budget(model.cfg, kv_cache_bytes, block_size, model.dtype, model.device, kv_dtype)
+        self.cache = kv_cache_from_budget(model.cfg, kv_cache_bytes, block_size, model.dtype, model.device, kv_dtype,
+                                          max_num_seqs)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, prefix_cache, chunked_prefill)
         self.runner = ModelRunner(model, self.cache, attention_class(attention)(self.cache), projection_bits)
         if speculative is not None:
@@ -252,7 +254,8 @@ class EngineConfig:
                            ("auto", "torch", "cpu", "step"))
     attention: str = _switch("auto", "attention backend: torch (ch. 03), triton (05), cpu (05b); auto = kernels' own",
                              lambda: ("auto", *ATTENTION_BACKENDS))
-    kv_dtype: str = _switch("auto", "KV cache storage: auto = the model's dtype; int8, fp8 quantized (ch. 07)",
+    kv_dtype: str = _switch("auto", "KV cache storage: auto = the model's dtype; int8, fp8, int4 (KIVI): quantized "
+                                    "(ch. 07)",
                             ("auto", *DTYPES, *KV_FORMATS))
     speculative: str | dict | SpeculativeConfig | None = _switch(
         None, "speculative decoding (ch. 09): ngram, draft, or JSON such as "
@@ -385,6 +388,10 @@ CONFIG_RULES = [
     (lambda c: c.kv_dtype in KV_FORMATS and c.kv != "paged",
      lambda c: f"kv_dtype={c.kv_dtype!r} quantizes the paged KV pool (chapter 07): it needs kv='paged' "
                f"(got kv={c.kv!r})"),
+    (lambda c: c.kv_dtype == "int4" and (c.speculative is not None or c.pd_split),
+     lambda c: f"kv_dtype='int4' keeps each sequence's incomplete block in a residual window that "
+               f"{'speculative decoding cannot roll back' if c.speculative is not None else 'pd_split does not send'}"
+               "; use kv_dtype='int8'"),
     (lambda c: c.kv_dtype in KV_FORMATS and c.kernels == "step",
      lambda c: f"kernels='step' reads K/V in the model's dtype, not kv_dtype={c.kv_dtype!r}; "
                "use kernels='cpu' (or 'auto') with attention='torch'"),

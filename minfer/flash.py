@@ -71,13 +71,16 @@ def _prefill_kernel(Q, K, V, O, block_tables, cu_seqlens_q, seq_lens, scale_log2
 # %% ../nbs/05_flash.ipynb #bdaaf385
 LOG2E = 1.4426950408889634
 
-def _check_paged(q, k_cache, v_cache, block_tables, seq_lens, int8_ok=False):
+def _check_paged(q, k_cache, v_cache, block_tables, seq_lens, int8_ok=False, int4_ok=False):
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"expected q [T, Hq, D] and k/v caches [blocks, block_size, Hkv, D]; got {tuple(q.shape)}, "
                          f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
     Hq, D, Hkv = q.shape[1], q.shape[2], k_cache.shape[2]
-    if k_cache.shape[3] != D or Hq % Hkv: raise ValueError(f"head dims {D} vs {k_cache.shape[3]}, or Hq={Hq} not a multiple of Hkv={Hkv}")
-    if k_cache.dtype != v_cache.dtype or (q.dtype != k_cache.dtype and not (int8_ok and k_cache.dtype == torch.int8)):
+    packed = int4_ok and k_cache.dtype == torch.uint8  # chapter 07's int4: two codes per byte
+    if k_cache.shape[3] != (D // 2 if packed else D) or Hq % Hkv:
+        raise ValueError(f"head dims {D} vs {k_cache.shape[3]}, or Hq={Hq} not a multiple of Hkv={Hkv}")
+    if k_cache.dtype != v_cache.dtype or (q.dtype != k_cache.dtype and not (int8_ok and k_cache.dtype == torch.int8)
+                                          and not packed):
         raise ValueError(f"dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1: raise ValueError("last dim must be contiguous")
     if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32: raise ValueError("block_tables and seq_lens must be int32")
@@ -146,9 +149,11 @@ def random_paged_batch(seq_lens, q_lens=None, n_q_heads=6, n_kv_heads=2, head_di
 def _decode_split_kernel(Q, K, V, O_part, LSE_part, block_tables, seq_lens, scale_log2,
                          stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                          stride_bt, H_Q, K_scale, V_scale, stride_sb, stride_ss, stride_sh,
+                         K_zero, V_zero, stride_kzb, stride_kzh, Full, Res_of, K_res, V_res,
+                         stride_rb, stride_rs, stride_rh,
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         PRECISION: tl.constexpr, QUANT: tl.constexpr = False):
+                         PRECISION: tl.constexpr, QUANT: tl.constexpr = 0, V_GROUP: tl.constexpr = 32):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens + seq)
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N  # whole key tiles per split
@@ -158,6 +163,8 @@ def _decode_split_kernel(Q, K, V, O_part, LSE_part, block_tables, seq_lens, scal
     h_ok = tl.arange(0, BLOCK_H) < GROUP
     offs_n, offs_d = tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < D
+    if QUANT == 4: col = offs_d // 2  # int4: channels 2i and 2i + 1 share byte i
+    else: col = offs_d
     q = tl.load(Q + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=h_ok[:, None] & d_ok, other=0.0)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
@@ -168,10 +175,25 @@ def _decode_split_kernel(Q, K, V, O_part, LSE_part, block_tables, seq_lens, scal
         block = tl.load(block_tables + seq * stride_bt + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
         kv_mask = k_ok[:, None] & d_ok
         k = tl.load(K + block[:, None] * stride_kb + (k_pos % BLOCK_SIZE)[:, None] * stride_ks
-                    + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+                    + kv_head * stride_kh + col[None, :], mask=kv_mask, other=0)
         v = tl.load(V + block[:, None] * stride_vb + (k_pos % BLOCK_SIZE)[:, None] * stride_vs
-                    + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-        if QUANT:  # chapter 07: int8 codes with one float32 scale per token per KV head, dequantized tile by tile
+                    + kv_head * stride_vh + col[None, :], mask=kv_mask, other=0)
+        if QUANT == 4:  # chapter 07's int4 (KIVI): a code per nibble, then code * scale + zero; keys' scales are per
+            # channel of their block, values' per token and group; a block not complete yet is read from the window
+            nib = ((offs_d % 2) * 4)[None, :]
+            kz_at = block[:, None] * stride_kzb + kv_head * stride_kzh + offs_d[None, :]
+            k = ((k >> nib) & 15).to(tl.float32) * tl.load(K_scale + kz_at, mask=kv_mask, other=0.0).to(tl.float32) \
+                + tl.load(K_zero + kz_at, mask=kv_mask, other=0.0).to(tl.float32)
+            vz_at = (block[:, None] * stride_sb + (k_pos % BLOCK_SIZE)[:, None] * stride_ss + kv_head * stride_sh
+                     + (offs_d // V_GROUP)[None, :])
+            v = ((v >> nib) & 15).to(tl.float32) * tl.load(V_scale + vz_at, mask=kv_mask, other=0.0).to(tl.float32) \
+                + tl.load(V_zero + vz_at, mask=kv_mask, other=0.0).to(tl.float32)
+            window = (tl.load(Full + block, mask=k_ok, other=1) == 0)[:, None] & kv_mask
+            r_at = (tl.load(Res_of + block, mask=k_ok, other=0)[:, None] * stride_rb
+                    + (k_pos % BLOCK_SIZE)[:, None] * stride_rs + kv_head * stride_rh + offs_d[None, :])
+            k = tl.where(window, tl.load(K_res + r_at, mask=window, other=0.0).to(tl.float32), k).to(q.dtype)
+            v = tl.where(window, tl.load(V_res + r_at, mask=window, other=0.0).to(tl.float32), v).to(q.dtype)
+        if QUANT == 8:  # chapter 07: int8 codes with one float32 scale per token per KV head, dequantized tile by tile
             s_at = block * stride_sb + (k_pos % BLOCK_SIZE) * stride_ss + kv_head * stride_sh
             k = (k.to(tl.float32) * tl.load(K_scale + s_at, mask=k_ok, other=0.0)[:, None]).to(q.dtype)
             v = (v.to(tl.float32) * tl.load(V_scale + s_at, mask=k_ok, other=0.0)[:, None]).to(q.dtype)
@@ -219,15 +241,25 @@ def default_num_splits(batch, n_kv_heads, max_len, block_n, device):
     return max(1, min(want, triton.cdiv(max_len, block_n), 64))
 
 def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, scale=None, block_n=None,
-                     k_scale=None, v_scale=None):
+                     k_scale=None, v_scale=None, int4=None):
     """One new token per sequence, q [B, Hq, D], over paged K/V of seq_lens[i] tokens (the new one included)
-    -> [B, Hq, D]. k_scale, v_scale: [blocks, block_size, Hkv] float32 when the caches hold int8 codes (chapter 07)."""
-    _check_paged(q, k_cache, v_cache, block_tables, seq_lens, int8_ok=True)
-    scales_ok = k_scale is None or (k_scale.shape == k_cache.shape[:3] and k_scale.stride() == v_scale.stride()
-                                    and k_scale.dtype == torch.float32)
-    if (k_cache.dtype == torch.int8) != (k_scale is not None and v_scale is not None) or not scales_ok:
-        raise ValueError("int8 caches need float32 k_scale and v_scale [blocks, block_size, Hkv] (alike); "
-                         "other caches none")
+    -> [B, Hq, D]. k_scale, v_scale: [blocks, block_size, Hkv] float32 when the caches hold int8 codes (chapter 07).
+    int4: chapter 07's int4 layer instead of k_cache ... v_scale (`Int4View.kernel_tensors()`): packed codes, scales
+    and zeros, and the residual window that holds the blocks not complete yet."""
+    if int4 is None:
+        _check_paged(q, k_cache, v_cache, block_tables, seq_lens, int8_ok=True)
+        scales_ok = k_scale is None or (k_scale.shape == k_cache.shape[:3] and k_scale.stride() == v_scale.stride()
+                                        and k_scale.dtype == torch.float32)
+        if (k_cache.dtype == torch.int8) != (k_scale is not None and v_scale is not None) or not scales_ok:
+            raise ValueError("int8 caches need float32 k_scale and v_scale [blocks, block_size, Hkv] (alike); "
+                             "other caches none")
+        int4_args = (k_cache, k_cache, 0, 0, k_cache, k_cache, k_cache, k_cache, 0, 0, 0)  # unused
+    else:
+        k_cache, v_cache, k_scale, v_scale = int4["k"], int4["v"], int4["k_scale"], int4["v_scale"]
+        _check_paged(q, k_cache, v_cache, block_tables, seq_lens, int4_ok=True)
+        kz, res = int4["k_zero"], int4["k_res"]
+        int4_args = (kz, int4["v_zero"], kz.stride(0), kz.stride(1), int4["full"], int4["res_of"], res, int4["v_res"],
+                     *res.stride()[:3])
     (B, Hq, D), (_, block_size, Hkv, _) = q.shape, k_cache.shape
     group, BLOCK_D = Hq // Hkv, triton.next_power_of_2(D)
     block_n = block_n or (64 if q.is_cuda else 32)
@@ -241,10 +273,11 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, num_splits=Non
         q, k_cache, v_cache, o_part, lse_part, block_tables, seq_lens, scale * LOG2E,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0), Hq,
         k_cache if k_scale is None else k_scale, v_cache if v_scale is None else v_scale,
-        *(k_scale.stride() if k_scale is not None else (0, 0, 0)),
+        *(v_scale.stride()[:3] if v_scale is not None else (0, 0, 0)), *int4_args,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, D=D, BLOCK_D=BLOCK_D,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        QUANT=k_scale is not None, **_launch_opts(q))
+        QUANT=4 if int4 is not None else 8 if k_scale is not None else 0,
+        V_GROUP=int4["v_group"] if int4 is not None else 32, **_launch_opts(q))
     if num_splits == 1: return o.copy_(o_part[:, :, 0, :D])             # one split: nothing to merge
     _decode_merge_kernel[(B, Hkv)](o_part, lse_part, o, o.stride(0), o.stride(1), Hq,
                                    GROUP=group, BLOCK_H=triton.next_power_of_2(group), D=D, BLOCK_D=BLOCK_D,
@@ -258,11 +291,14 @@ class TritonAttention(PagedAttention):
     "PagedAttention with the Triton kernels: split-KV decode when every sequence has one new token, else prefill/extend."
     # on a CPU only in Triton's interpreter (TRITON_INTERPRET=1: tests, small shapes); never bf16 there (wrong results)
     devices, dtypes = ("cuda", "cpu"), ("float32", "bfloat16", "float16")
-    # chapter 07's int8 pool: decode reads its codes and scales (dequantizing tile by tile), prefill chapter 03's path
-    kv_dtypes = ("auto", "int8")
+    # chapter 07's int8 and int4 pools: decode reads codes and scales, dequantizing tile by tile (int4's blocks that are
+    # not complete yet from its residual window); prefill runs chapter 03's path
+    kv_dtypes = ("auto", "int8", "int4")
     def attention(self, q, k_cache, v_cache, meta):
         quantized = not isinstance(k_cache, torch.Tensor)  # chapter 07's view of codes + scales
         if meta.max_seqlen_q == 1 and q.shape[0] == meta.seq_lens.shape[0]:
+            if hasattr(k_cache, "kernel_tensors"):  # chapter 07's int4 pool
+                return decode_attention(q, None, None, meta.block_tables, meta.seq_lens, int4=k_cache.kernel_tensors())
             if quantized:
                 return decode_attention(q, k_cache.codes, v_cache.codes, meta.block_tables, meta.seq_lens,
                                         k_scale=k_cache.scales, v_scale=v_cache.scales)

@@ -1,4 +1,4 @@
-"""Keys and values stored in 8 bits with one scale per token and KV head: 27% of fp32's bytes per cached token (53% of bf16's), so 3.8x the tokens, or the requests, in the same pool.
+"""Keys and values stored in 8 bits with one scale per token and KV head: 27% of fp32's bytes per cached token (53% of bf16's), so 3.8x the tokens, or the requests, in the same pool; or in 4 bits, KIVI-style, at 34% of bf16's bytes.
 
 Docs: https://minfer.github.io/minfer/kvquant.html.md"""
 
@@ -6,14 +6,15 @@ Docs: https://minfer.github.io/minfer/kvquant.html.md"""
 
 # %% auto #0
 __all__ = ['KV_FORMATS', 'KVFormat', 'kv_format', 'DequantizedView', 'QuantizedKVCache', 'kv_cache_from_budget', 'kv_token_bytes',
-           'kv_logprobs', 'kv_quality']
+           'pack_int4', 'unpack_int4', 'KIVIFormat', 'Int4View', 'Int4KVCache', 'kv_logprobs', 'kv_quality']
 
 # %% ../nbs/07_kvquant.ipynb #ec536a26
 import math
 from dataclasses import dataclass
 import torch
+import torch.nn.functional as F
 from .paged import PagedKVCache, PagedAttention, BlockAllocator, BlockTable, build_batch_meta
-from .model import DTYPES
+from .model import DTYPES, attend
 
 # %% ../nbs/07_kvquant.ipynb #db1a176a
 @dataclass(frozen=True)
@@ -39,6 +40,10 @@ class KVFormat:
         return (codes.float() * scales[..., None]).to(dtype)
 
     def bytes_per_vector(self, head_dim): return head_dim * torch.empty(0, dtype=self.storage).element_size() + 4
+
+    def block_bytes(self, cfg, block_size):
+        "Bytes of one block of K and V, all layers, scales included."
+        return block_size * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * self.bytes_per_vector(cfg.head_dim)
 
 # vLLM's kv_cache_dtype names; "auto" (not here) stores K and V unquantized, in the model's dtype
 KV_FORMATS = {"int8": KVFormat("int8", torch.int8, 127.0),
@@ -92,8 +97,7 @@ class QuantizedKVCache(PagedKVCache):
     @staticmethod
     def block_bytes(cfg, block_size=16, dtype=torch.float32, kv_dtype="int8"):
         "Bytes of K and V one block holds across all layers, scales included (`dtype`, the model's, does not matter)."
-        vectors = block_size * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads
-        return vectors * kv_format(kv_dtype).bytes_per_vector(cfg.head_dim)
+        return kv_format(kv_dtype).block_bytes(cfg, block_size)
 
     def store(self, layer, slots, k, v):
         "Quantize the keys and values [T, kv_heads, head_dim] of T new tokens into flat slot ids `slots` of `layer`."
@@ -106,8 +110,12 @@ class QuantizedKVCache(PagedKVCache):
         return tuple(DequantizedView(c[layer], s[layer], self.format, self.dtype)
                      for c, s in ((self.k, self.k_scale), (self.v, self.v_scale)))
 
-def kv_cache_from_budget(cfg, budget_bytes, block_size=16, dtype=torch.float32, device="cpu", kv_dtype="auto"):
-    "The paged pool for `kv_dtype`: chapter 03's in the model's dtype ('auto' or that dtype's name), else quantized."
+def kv_cache_from_budget(cfg, budget_bytes, block_size=16, dtype=torch.float32, device="cpu", kv_dtype="auto",
+                         max_seqs=64):
+    """The paged pool for `kv_dtype`: chapter 03's in the model's dtype ('auto' or that dtype's name), else quantized.
+    max_seqs: sequences running at once, at most (int4 reserves a residual slot for each, `Int4KVCache` below)."""
+    if kv_dtype == "int4":  # `Int4KVCache`, below
+        return Int4KVCache.from_budget(cfg, budget_bytes, block_size, dtype, device, max_seqs=max_seqs)
     if kv_dtype in KV_FORMATS:
         return QuantizedKVCache.from_budget(cfg, budget_bytes, block_size, dtype, device, kv_dtype)
     if kv_dtype not in ("auto", str(dtype).removeprefix("torch.")):
@@ -115,10 +123,289 @@ def kv_cache_from_budget(cfg, budget_bytes, block_size=16, dtype=torch.float32, 
                          f"{', '.join(map(repr, KV_FORMATS))}")
     return PagedKVCache.from_budget(cfg, budget_bytes, block_size, dtype, device)
 
-def kv_token_bytes(cfg, kv_dtype="float32"):
-    "Bytes one token's K and V take in the pool, all layers, scales included (`kv_dtype`: a float dtype or a format)."
-    if kv_dtype in KV_FORMATS: return QuantizedKVCache.block_bytes(cfg, 1, kv_dtype=kv_dtype)
+def kv_token_bytes(cfg, kv_dtype="float32", block_size=16):
+    """Bytes one token's K and V take in the pool, all layers, scales included (`kv_dtype`: a float dtype or a format;
+    int4's keys share their scales over a block, so its share depends on `block_size`)."""
+    if kv_dtype in KV_FORMATS:
+        per_block = kv_format(kv_dtype).block_bytes(cfg, block_size)
+        return per_block // block_size if per_block % block_size == 0 else per_block / block_size
     return PagedKVCache.block_bytes(cfg, 1, getattr(torch, kv_dtype))
+
+# %% ../nbs/07_kvquant.ipynb #3a1c4b02
+def pack_int4(codes):
+    "Codes 0..15 [..., d] (d even) -> uint8 [..., d / 2]: channel 2i in the low nibble of byte i, 2i + 1 in the high."
+    c = codes.to(torch.uint8)
+    return c[..., 0::2] | (c[..., 1::2] << 4)
+
+def unpack_int4(packed):
+    "The inverse of `pack_int4`: uint8 [..., d / 2] -> codes [..., d] (uint8, 0..15)."
+    return torch.stack((packed & 15, packed >> 4), -1).flatten(-2)
+
+@dataclass(frozen=True)
+class KIVIFormat:
+    """KIVI's 4-bit KV (arXiv 2402.02750): asymmetric codes 0..15 with x ~ code * scale + zero, zero = the minimum and
+    scale = (maximum - minimum) / 15 of the slice that shares them, both stored in float16, two codes per byte.
+    Keys share them per channel over the tokens of a whole block (per KV head); values per token, in groups of `group`
+    channels. A block's keys can only be quantized once the block is complete: `Int4KVCache` keeps the tokens of a
+    block that is not yet complete at full precision (the residual window)."""
+    name: str = "int4"
+    group: int = 32  # channels of a value vector sharing a scale and zero (KIVI's group size)
+
+    def group_of(self, head_dim):
+        g = min(self.group, head_dim)
+        if head_dim % g or head_dim % 2:
+            raise ValueError(f"int4 KV needs an even head_dim divisible by {g}: {head_dim}")
+        return g
+
+    @staticmethod
+    def _quantize(x, dim):
+        "-> codes (float, 0..15), scale, zero (float16, size 1 along `dim`): one scale and zero per slice along `dim`."
+        x = x.float()
+        zero = x.amin(dim, keepdim=True).half()
+        scale = ((x.amax(dim, keepdim=True) - zero.float()) / 15).half()
+        s = scale.float()  # codes are computed with the float16 scale and zero that are stored, so they round-trip
+        codes = ((x - zero.float()) / torch.where(s > 0, s, torch.ones_like(s))).round().clamp(0, 15)
+        return codes, scale, zero
+
+    def quantize_keys(self, x):
+        "Keys of whole blocks [blocks, block_size, kv_heads, d] -> packed codes, and scale, zero [blocks, kv_heads, d]."
+        codes, scale, zero = self._quantize(x, 1)
+        return pack_int4(codes), scale[:, 0], zero[:, 0]
+
+    def quantize_values(self, x):
+        "Values [..., kv_heads, d] -> packed codes [..., kv_heads, d / 2], and scale, zero [..., kv_heads, d / group]."
+        codes, scale, zero = self._quantize(x.unflatten(-1, (-1, self.group_of(x.shape[-1]))), -1)
+        return pack_int4(codes.flatten(-2)), scale[..., 0], zero[..., 0]
+
+    @staticmethod
+    def dequantize_keys(packed, scale, zero, dtype=torch.float32):
+        "Packed codes [..., kv_heads, d / 2] with the scale and zero [..., kv_heads, d] of their blocks -> [..., d]."
+        return (unpack_int4(packed).float() * scale.float() + zero.float()).to(dtype)
+
+    @staticmethod
+    def dequantize_values(packed, scale, zero, dtype=torch.float32):
+        "Packed codes [..., kv_heads, d / 2] with their scale and zero [..., kv_heads, groups] -> [..., kv_heads, d]."
+        codes = unpack_int4(packed).float().unflatten(-1, (scale.shape[-1], -1))
+        return (codes * scale.float()[..., None] + zero.float()[..., None]).flatten(-2).to(dtype)
+
+    def block_bytes(self, cfg, block_size):
+        "Bytes of one block of K and V, all layers: codes, the keys' scale and zero per channel, the values' per group."
+        d, groups = cfg.head_dim, cfg.head_dim // self.group_of(cfg.head_dim)
+        per_head = 2 * block_size * d // 2 + 2 * 2 * d + 2 * 2 * block_size * groups  # codes, key s/z, value s/z
+        return cfg.num_hidden_layers * cfg.num_key_value_heads * per_head
+
+KV_FORMATS["int4"] = KIVIFormat()
+
+class Int4View:
+    """One layer's K (or V) of an `Int4KVCache` as chapter 03's attention reads it (like `DequantizedView`): rows
+    gathered by slot id come out in `dtype`, dequantized where their block is complete and quantized, and straight
+    from the residual window where it is not. `attend_chunk` is the prefill path (see `Int4KVCache`)."""
+    def __init__(self, cache, layer, which):
+        self.cache, self.layer, self.which = cache, layer, which
+        self.shape = (cache.num_blocks, cache.block_size, cache.cfg.num_key_value_heads, cache.cfg.head_dim)
+    def view(self, *shape): return self  # attention flattens the pool to [slots, heads, dim]; rows are read by slot
+    def __getitem__(self, idx): return self.rows(torch.arange(idx.start, idx.stop, device=self.cache.k.device))
+    def index_select(self, dim, idx): return self.rows(idx)
+
+    def rows(self, slots):
+        c, l, bs = self.cache, self.layer, self.cache.block_size
+        blocks = slots // bs
+        if self.which == "k":
+            x = c.format.dequantize_keys(c.k[l].flatten(0, 1)[slots], c.k_scale[l][blocks], c.k_zero[l][blocks],
+                                         c.dtype)
+        else:
+            x = c.format.dequantize_values(c.v[l].flatten(0, 1)[slots], c.v_scale[l].flatten(0, 1)[slots],
+                                           c.v_zero[l].flatten(0, 1)[slots], c.dtype)
+        partial = ~c.full[blocks]
+        if partial.any():  # rows of blocks not complete yet: the residual window, at full precision
+            res = (c.k_res if self.which == "k" else c.v_res)[l].flatten(0, 1)
+            x = torch.where(partial[:, None, None], res[c.res_of[blocks].clamp(min=0) * bs + slots % bs], x)
+        return x
+
+    def kernel_tensors(self):
+        "This layer of the pool as chapter 05's Triton decode kernel reads it (`decode_attention(..., int4=)`)."
+        c, l = self.cache, self.layer
+        return dict(k=c.k[l], v=c.v[l], k_scale=c.k_scale[l], k_zero=c.k_zero[l], v_scale=c.v_scale[l],
+                    v_zero=c.v_zero[l], full=c.full.view(torch.uint8), res_of=c.res_of, k_res=c.k_res[l],
+                    v_res=c.v_res[l], v_group=c.format.group_of(c.cfg.head_dim))
+
+    def attend_chunk(self, q, v_flat, slots):
+        """Causal attention of a prefill chunk: q [T, Hq, d] are the last T of the n positions at `slots` (a slice or
+        ids from `key_slots`). Every query reads the complete blocks quantized and its
+        own block, up to itself, at full precision, unless it is the block's last token (then its block is complete
+        and quantized): the same as decode reads, so chunking does not change what a query sees."""
+        c, bs = self.cache, self.cache.block_size
+        if isinstance(slots, slice): slots = torch.arange(slots.start, slots.stop, device=q.device)
+        n, T = len(slots), len(q)
+        start = n - T
+        k, v = self.rows(slots).to(q.dtype), v_flat.rows(slots).to(q.dtype)
+        lo, hi = start // bs * bs, n // bs * bs  # the blocks this chunk completed: quantized now, but not for their own
+        if hi <= lo: return attend(q, k, v)      # queries (but the last), which read them at full precision
+        fresh = c.fresh  # the blocks this step completed, unquantized, as `store` assembled them to quantize them
+        assert fresh["layer"] == self.layer, "attend_chunk reads what the last `store` wrote: store this layer first"
+        at = fresh["done_at"][slots[lo:hi] // bs]
+        assert (at >= 0).all(), "a prefill chunk completed a block that `store` did not quantize in this step"
+        rows = at * bs + slots[lo:hi] % bs
+        k_x, v_x = fresh["k"][rows].to(q.dtype), fresh["v"][rows].to(q.dtype)
+        qpos = torch.arange(start, n, device=q.device)[:, None]
+        kpos, xpos = torch.arange(n, device=q.device), torch.arange(lo, hi, device=q.device)
+        reads_own = qpos % bs != bs - 1  # queries that read their own block at full precision
+        own = lambda pos: (pos // bs == qpos // bs) & reads_own
+        mask = torch.cat(((kpos <= qpos) & ~(own(kpos) & (kpos >= lo) & (kpos < hi)), (xpos <= qpos) & own(xpos)), 1)
+        q4, k4, v4 = (x.transpose(0, 1)[None] for x in (q, torch.cat((k, k_x)), torch.cat((v, v_x))))
+        return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, enable_gqa=True)[0].transpose(0, 1)
+
+class Int4KVCache(PagedKVCache):
+    """Chapter 03's pool in KIVI's 4-bit format. Per block (`tensors`, so copy-on-write and transfers move them):
+    codes `k`, `v` uint8 [layers, num_blocks, block_size, kv_heads, head_dim / 2]; `k_scale`, `k_zero` float16
+    [layers, num_blocks, kv_heads, head_dim] (per channel over the block's tokens); `v_scale`, `v_zero` float16
+    [layers, num_blocks, block_size, kv_heads, head_dim / group] (per token and group).
+    The residual window: a block that is not complete keeps its tokens in `dtype` in one of the residual slots
+    `k_res`, `v_res` [layers, slots, block_size, kv_heads, head_dim] (`res_of[block]`, -1 for none), and is quantized
+    by the `store` that writes its last token (`full[block]` then). A sequence has at most one incomplete block, so
+    one slot per running sequence suffices: `from_budget` reserves `max_seqs` of them out of the budget; a slot is
+    reused once its block is complete or freed, and more are added if ever needed (counted in `nbytes`)."""
+    def __init__(self, cfg, num_blocks, block_size=16, dtype=torch.float32, device="cpu", kv_dtype="int4",
+                 residual_slots=1):
+        self.format, self.kv_dtype, self.dtype = kv_format(kv_dtype), kv_dtype, dtype
+        L, H, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+        groups = d // self.format.group_of(d)
+        zeros = lambda *shape, dt=torch.float16: torch.zeros(shape, dtype=dt, device=device)
+        self.k, self.v = (zeros(L, num_blocks, block_size, H, d // 2, dt=torch.uint8) for _ in range(2))
+        self.k_scale, self.k_zero = (zeros(L, num_blocks, H, d) for _ in range(2))
+        self.v_scale, self.v_zero = (zeros(L, num_blocks, block_size, H, groups) for _ in range(2))
+        self.k_res, self.v_res = (zeros(L, residual_slots, block_size, H, d, dt=dtype) for _ in range(2))
+        self.full = torch.zeros(num_blocks, dtype=torch.bool, device=device)          # quantized yet?
+        self.res_of = torch.full((num_blocks,), -1, dtype=torch.int64, device=device)  # its residual slot, or -1
+        self.res_owner = [-1] * residual_slots                                        # each slot's block, or -1
+        self.cfg, self.num_blocks, self.block_size = cfg, num_blocks, block_size
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.step, self.fresh = None, None
+
+    @property
+    def tensors(self):
+        return {"k": self.k, "v": self.v, "k_scale": self.k_scale, "k_zero": self.k_zero,
+                "v_scale": self.v_scale, "v_zero": self.v_zero}
+
+    @property
+    def nbytes(self): return super().nbytes + sum(t.numel() * t.element_size() for t in (self.k_res, self.v_res))
+
+    @staticmethod
+    def residual_bytes(cfg, block_size=16, dtype=torch.float32):
+        "Bytes of one residual slot: one block of K and V in the model's dtype, all layers (chapter 03's block)."
+        return PagedKVCache.block_bytes(cfg, block_size, dtype)
+
+    @classmethod
+    def from_budget(cls, cfg, budget_bytes, block_size=16, dtype=torch.float32, device="cpu", kv_dtype="int4",
+                    max_seqs=64):
+        "A residual slot for each of `max_seqs` sequences, and as many blocks as fit in the rest of `budget_bytes`."
+        reserved = max_seqs * cls.residual_bytes(cfg, block_size, dtype)
+        n = int((budget_bytes - reserved) // kv_format(kv_dtype).block_bytes(cfg, block_size))
+        if n < 1:
+            raise ValueError(f"a KV budget of {budget_bytes} bytes holds no int4 block of {block_size} tokens beside "
+                             f"the residual window of {max_seqs} sequences ({reserved} bytes)")
+        return cls(cfg, n, block_size, dtype, device, kv_dtype, residual_slots=max_seqs)
+
+    def residual_slot(self, block, keep=()):
+        "Block `block`'s residual slot: its own, else a free one, one whose block is quantized or freed, or a new one."
+        r = int(self.res_of[block])
+        if r >= 0: return r
+        full, ref = self.full.tolist(), self.allocator.refcount
+        r = next((r for r, b in enumerate(self.res_owner)
+                  if b < 0 or (b not in keep and (full[b] or ref[b] == 0))), None)
+        if r is None:  # every slot holds an incomplete block: grow (more running sequences than slots were reserved)
+            r = len(self.res_owner)
+            self.k_res, self.v_res = (torch.cat((t, torch.zeros_like(t)), 1) for t in (self.k_res, self.v_res))
+            self.res_owner += [-1] * r
+        if self.res_owner[r] >= 0: self.res_of[self.res_owner[r]] = -1
+        self.res_owner[r], self.res_of[block] = block, r
+        return r
+
+    def plan(self, slots):
+        """Once per step (every layer stores the same slots): group the new rows by block. A row goes to its block's
+        residual slot, unless its block completes now (then the block is quantized from its residual rows and the new
+        ones) or was complete already (a prefix-cache hit recomputing a cached block's last token: re-quantized)."""
+        bs, full = self.block_size, self.full.tolist()
+        by_block = {}
+        for row, s in enumerate(slots.tolist()): by_block.setdefault(s // bs, []).append((row, s % bs))
+        done, rewrite, partial = [], [], []
+        old_src, old_dst, new_rows, new_dst = [], [], [], []  # completed blocks: rows from the residual, and new rows
+        for b, items in by_block.items():
+            rows, offs = [r for r, _ in items], [o for _, o in items]
+            if full[b] and offs[0] > 0:
+                rewrite.append((b, rows, offs))
+            elif offs[-1] == bs - 1:  # complete now: quantized from its earlier tokens' residual rows and the new ones
+                at, r = len(done) * bs, int(self.res_of[b])
+                assert r >= 0 or offs[0] == 0, f"block {b} was written before without a residual slot"
+                old_src += [r * bs + o for o in range(offs[0])]
+                old_dst += [at + o for o in range(offs[0])]
+                new_rows += rows
+                new_dst += [at + o for o in offs]
+                done.append(b)
+            else: partial.append((b, rows, offs))
+        # completed blocks are quantized from now on (`store` reads their residual rows before it writes any), so their
+        # slots may go to this step's incomplete blocks; fresh or growing blocks are not quantized yet
+        t = lambda x: torch.tensor(x, dtype=torch.int64, device=self.k.device)
+        order = torch.arange(len(done) + len(partial), device=self.k.device)
+        self.full[t(done + [b for b, _, _ in partial])] = order < len(done)
+        res_rows, res_dst, growing = [], [], {b for b, _, _ in partial}
+        for b, rows, offs in partial:
+            r = self.residual_slot(b, keep=growing)
+            res_rows += rows
+            res_dst += [r * bs + o for o in offs]
+        done_at = torch.full((self.num_blocks,), -1, dtype=torch.int64, device=self.k.device)
+        done_at[t(done)] = torch.arange(len(done), device=self.k.device)
+        self.step = dict(slots=slots, layers=set(), res_rows=t(res_rows), res_dst=t(res_dst), done=t(done),
+                         done_at=done_at, old_src=t(old_src), old_dst=t(old_dst), new_rows=t(new_rows),
+                         new_dst=t(new_dst), rewrite=rewrite)
+
+    def store(self, layer, slots, k, v):
+        "Keys and values [T, kv_heads, head_dim] of T new tokens at flat slot ids `slots` of `layer` (see `plan`)."
+        p = self.step
+        if p is None or layer in p["layers"] or not (p["slots"] is slots or torch.equal(p["slots"], slots)):
+            self.plan(slots)
+            p = self.step
+        p["layers"].add(layer)
+        k, v = k.to(self.dtype), v.to(self.dtype)
+        H, d, bs = k.shape[1], k.shape[2], self.block_size
+        whole = {}
+        for name, res, x in (("k", self.k_res, k), ("v", self.v_res, v)):
+            flat = res[layer].view(-1, H, d)
+            w = x.new_empty(len(p["done"]) * bs, H, d)  # completed blocks: residual rows first, then this step's
+            w[p["old_dst"]], w[p["new_dst"]] = flat[p["old_src"]], x[p["new_rows"]]
+            flat[p["res_dst"]] = x[p["res_rows"]]       # then the incomplete blocks' rows (maybe into a freed slot)
+            whole[name] = w
+        if len(p["done"]): self.write_quantized(layer, p["done"], whole["k"].view(-1, bs, H, d),
+                                                whole["v"].view(-1, bs, H, d))
+        self.fresh = dict(layer=layer, done_at=p["done_at"], **whole)  # for `Int4View.attend_chunk`
+        for b, rows, offs in p["rewrite"]:
+            block_slots = torch.arange(b * bs, (b + 1) * bs, device=k.device)
+            kb, vb = (view.rows(block_slots)[None] for view in self.layer(layer))
+            kb[0, offs], vb[0, offs] = k[rows], v[rows]
+            self.write_quantized(layer, torch.tensor([b], device=k.device), kb, vb)
+
+    def write_quantized(self, layer, blocks, k, v):
+        "Quantize whole blocks of keys and values [n, block_size, kv_heads, head_dim] into blocks `blocks` of `layer`."
+        self.k[layer][blocks], self.k_scale[layer][blocks], self.k_zero[layer][blocks] = self.format.quantize_keys(k)
+        self.v[layer][blocks], self.v_scale[layer][blocks], self.v_zero[layer][blocks] = self.format.quantize_values(v)
+
+    def layer(self, layer): return Int4View(self, layer, "k"), Int4View(self, layer, "v")
+
+    def read_blocks(self, ids):
+        "Chapter 03's, plus whether each block is quantized yet and, for those that are not, their residual rows."
+        data, idx = super().read_blocks(ids), torch.as_tensor(list(ids), device=self.k.device)
+        data["full"], r = self.full[idx], self.res_of[idx].clamp(min=0)
+        data["k_res"], data["v_res"] = self.k_res[:, r], self.v_res[:, r]
+        return data
+
+    def write_blocks(self, ids, data):
+        super().write_blocks(ids, data)
+        ids = list(ids)
+        for i, (b, full) in enumerate(zip(ids, data["full"].tolist())):
+            self.full[b] = full
+            if not full:
+                r = self.residual_slot(b, keep=ids)
+                self.k_res[:, r], self.v_res[:, r] = (data[n][:, i].to(self.k_res.device) for n in ("k_res", "v_res"))
 
 # %% ../nbs/07_kvquant.ipynb #646e3844
 @torch.inference_mode()
@@ -129,7 +416,8 @@ def kv_logprobs(model, ids, kv_dtype="auto", chunk=32, block_size=16, attention=
     decode. attention: a backend class (default chapter 03's `PagedAttention`)."""
     n_blocks = -(-len(ids) // block_size)
     args = (model.cfg, n_blocks, block_size, model.dtype, model.device)
-    cache = QuantizedKVCache(*args, kv_dtype) if kv_dtype in KV_FORMATS else PagedKVCache(*args)
+    cache = (Int4KVCache(*args) if kv_dtype == "int4" else QuantizedKVCache(*args, kv_dtype) if kv_dtype in KV_FORMATS
+             else PagedKVCache(*args))
     table, attn = BlockTable(cache.allocator), (attention or PagedAttention)(cache)
     out = []
     for start in range(0, len(ids), chunk):
@@ -139,15 +427,16 @@ def kv_logprobs(model, ids, kv_dtype="auto", chunk=32, block_size=16, attention=
         out.append(model(new, torch.arange(start, start + len(new), device=model.device), attn).float().log_softmax(-1))
     return torch.cat(out)[:-1]
 
-def kv_quality(model, ids, kv_dtypes=tuple(KV_FORMATS), chunk=32):
+def kv_quality(model, ids, kv_dtypes=None, chunk=32):
     """llama.cpp's and KIVI's measures of a lossy KV cache on text `ids`, each format against the model's own dtype
     run the same way: perplexity, its change in %, mean and 99th-percentile KL(full || quantized) of the next-token
-    distribution, and how often the top token is the same. -> {kv_dtype: dict}, 'auto' first."""
+    distribution, and how often the top token is the same (kv_dtypes: default every format). -> {kv_dtype: dict},
+    'auto' first."""
     ref = kv_logprobs(model, ids, "auto", chunk)
     target = torch.as_tensor(ids[1:], device=ref.device)[:, None]
     ppl0 = math.exp(-ref.gather(-1, target).mean().item())
     rows = {"auto": dict(ppl=ppl0, ppl_change_pct=0.0, kl_mean=0.0, kl_p99=0.0, same_top1=1.0)}
-    for name in kv_dtypes:
+    for name in kv_dtypes or KV_FORMATS:
         lp = kv_logprobs(model, ids, name, chunk)
         kl = (ref.exp() * (ref - lp)).sum(-1)
         ppl = math.exp(-lp.gather(-1, target).mean().item())

@@ -214,7 +214,7 @@ class PagedAttention:
     decode_group = 16  # decode sequences attended together in one padded SDPA call (sorted by length, so little padding)
     # what this backend runs on; the engine's config refuses other combinations (chapter 08b)
     # kv_dtypes: "auto" is the model's dtype; chapter 07's quantized formats are read through `cache.layer`, dequantized
-    devices, dtypes, kv_dtypes = ("cpu", "cuda"), ("float32", "bfloat16", "float16"), ("auto", "int8", "fp8")
+    devices, dtypes, kv_dtypes = ("cpu", "cuda"), ("float32", "bfloat16", "float16"), ("auto", "int8", "fp8", "int4")
 
     def __init__(self, cache): self.cache, self._meta, self.plan = cache, None, None
 
@@ -267,6 +267,9 @@ class PagedAttention:
             return decode_group(q, *decode[0][1:])
         out = torch.empty_like(q)
         for r0, r1, slots in prefill:
+            if hasattr(k_flat, "attend_chunk"):  # chapter 07's int4 pool: a query reads its own block unquantized
+                out[r0:r1] = k_flat.attend_chunk(q[r0:r1], v_flat, slots)
+                continue
             out[r0:r1] = attend(q[r0:r1], take(k_flat, slots).to(q.dtype), take(v_flat, slots).to(q.dtype))
         for rows, slots, mask in decode:
             out.index_copy_(0, rows, decode_group(q.index_select(0, rows), slots, mask).to(q.dtype))

@@ -11,7 +11,7 @@ from hypothesis import given, settings, HealthCheck, strategies as st
 
 from minfer.engine import LLMEngine, make_workload
 from minfer.paged import PagedKVCache
-from minfer.kvquant import QuantizedKVCache, kv_logprobs
+from minfer.kvquant import QuantizedKVCache, Int4KVCache, kv_logprobs
 from minfer.kvcache import cached_generate, ContiguousKVCache
 from minfer.sequence import Sequence, SamplingParams
 from minfer.llm import LLM
@@ -22,46 +22,56 @@ TEXTS = ["The three primary colors are", "def fibonacci(n):", "Once upon a time,
          "The mitochondria is the powerhouse of the cell. It produces energy by", "Hello"]
 
 # every test that takes `kv_dtype` runs with each KV format (chapter 07): a lossy format's reference is the same format,
-# the sequence alone in a fresh pool, whole prompt in one step (chapter 07's `kv_logprobs`, greedy); "auto" is lossless
-KV_DTYPES = ["auto", "int8", "fp8"]
+# the sequence alone in a fresh pool, whole prompt in one step (chapter 07's `kv_logprobs`, greedy); "auto" is lossless.
+# int4 groups keys by block, so its reference uses the engine's block size (and the same rule for what is quantized)
+KV_DTYPES = ["auto", "int8", "fp8", "int4"]
 # A different batch shape changes float summation order (1e-6 relative), which can move a stored element across a code
 # boundary: one int8 step is amax/127 of its vector, one fp8 step 1/16 of the element. Measured: such a flip moved the
 # top-2 logit gap by 0.14 at most (fp8, preempted and recomputed). So a divergence is allowed below these gaps.
-NEAR_TIE = {"auto": 1e-3, "int8": 0.05, "fp8": 0.25}
+# int4 (one step: (max - min) / 15 of a block's channel or a token's group of 32 channels) gets fp8's bound: in this
+# file's batch-equals-solo, prefix-cache and fork cases one int4 sequence diverged, where the reference's gap was 0.066
+# (blocks of 4; fp8's largest there was 0.19)
+NEAR_TIE = {"auto": 1e-3, "int8": 0.05, "fp8": 0.25, "int4": 0.25}
 
 _solo_cache = {}
-def solo(model, ids, n, kv_dtype="auto"):
-    key = (tuple(ids), n, kv_dtype)
+def solo(model, ids, n, kv_dtype="auto", block_size=16):
+    key = (tuple(ids), n, kv_dtype, block_size if kv_dtype == "int4" else 16)
     if key not in _solo_cache:
         if kv_dtype == "auto": _solo_cache[key] = cached_generate(model, ids, n)
         else:
             out = list(ids)
-            for _ in range(n): out.append(int(kv_logprobs(model, out + [0], kv_dtype, chunk=len(out) + 1)[-1].argmax()))
+            for _ in range(n):
+                out.append(int(kv_logprobs(model, out + [0], kv_dtype, len(out) + 1, block_size)[-1].argmax()))
             _solo_cache[key] = out[len(ids):]
     return _solo_cache[key]
 
-def near_tie_at(model, ids, got, want, kv_dtype="auto"):
+def near_tie_at(model, ids, got, want, kv_dtype="auto", block_size=16):
     "True if the first divergence of `got` from `want` happens where the reference's top-2 logits are within NEAR_TIE."
     i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
     prefix = list(ids) + want[:i]
     with torch.inference_mode():
         if kv_dtype == "auto":
             logits = model(torch.tensor(prefix), torch.arange(len(prefix)), ContiguousKVCache(model.cfg, len(prefix)), logits_rows=[-1])[0]
-        else: logits = kv_logprobs(model, prefix + [0], kv_dtype, chunk=len(prefix) + 1)[-1]  # log-softmax: same gaps
+        else:  # log-softmax: the same gaps
+            logits = kv_logprobs(model, prefix + [0], kv_dtype, len(prefix) + 1, block_size)[-1]
     top2 = torch.topk(logits, 2).values
     return (top2[0] - top2[1]).item() < NEAR_TIE[kv_dtype]
 
-def assert_solo(model, seq, n=None, kv_dtype="auto"):
-    want = solo(model, seq.prompt_ids, n or seq.params.max_tokens, kv_dtype)[:len(seq.output_ids)]
+def assert_solo(model, seq, n=None, kv_dtype="auto", block_size=16):
+    want = solo(model, seq.prompt_ids, n or seq.params.max_tokens, kv_dtype, block_size)[:len(seq.output_ids)]
     got = seq.output_ids
-    assert got == want or near_tie_at(model, seq.prompt_ids, got, want, kv_dtype), (seq.prompt_ids[:8], got, want)
+    assert got == want or near_tie_at(model, seq.prompt_ids, got, want, kv_dtype, block_size), (seq.prompt_ids[:8], got, want)
 
 def greedy(ids, n, tok): return Sequence(ids, SamplingParams(max_tokens=n, ignore_eos=True), tok)
 
 def run(engine):
     while engine.has_unfinished(): engine.step()
 
-def pool(model, blocks, block_size=16, kv_dtype="auto"):
+def pool(model, blocks, block_size=16, kv_dtype="auto", max_seqs=64):
+    "kv_cache_bytes that hold `blocks` blocks (int4: plus its residual window, a block per running sequence)."
+    if kv_dtype == "int4":
+        window = max_seqs * Int4KVCache.residual_bytes(model.cfg, block_size, model.dtype)
+        return blocks * QuantizedKVCache.block_bytes(model.cfg, block_size, model.dtype, kv_dtype) + window
     if kv_dtype != "auto": return blocks * QuantizedKVCache.block_bytes(model.cfg, block_size, model.dtype, kv_dtype)
     return blocks * PagedKVCache.block_bytes(model.cfg, block_size, model.dtype)
 
@@ -76,7 +86,9 @@ def test_batch_equals_solo(model, tokenizer, budget, blocks, block_size, kv_dtyp
     seqs = [greedy(p, 10, tokenizer) for p in prompts]
     for s in seqs: eng.add(s)
     run(eng)
-    for s in seqs: assert s.finish_reason == "length" and len(s.output_ids) == 10; assert_solo(model, s, kv_dtype=kv_dtype)
+    for s in seqs:
+        assert s.finish_reason == "length" and len(s.output_ids) == 10
+        assert_solo(model, s, kv_dtype=kv_dtype, block_size=block_size)
     if blocks == 12: assert eng.stats["preemptions"] > 0
     assert eng.cache.allocator.num_free == eng.cache.num_blocks
     for _, kinds, _ in eng.history: assert sum(n for _, n, _ in kinds) <= budget
@@ -176,8 +188,9 @@ def test_random_arrivals_and_aborts(model, tokenizer, data):
     blocks = data.draw(st.integers(6, 24), "blocks")
     prefix = data.draw(st.booleans(), "prefix_cache")
     kv_dtype = data.draw(st.sampled_from(KV_DTYPES), "kv_dtype")
-    eng = LLMEngine(model, block_size=4, kv_cache_bytes=pool(model, blocks, 4, kv_dtype), max_num_batched_tokens=budget,
-                    prefix_cache=prefix, max_num_seqs=data.draw(st.integers(1, 6)), kv_dtype=kv_dtype)
+    seqs = data.draw(st.integers(1, 6))
+    eng = LLMEngine(model, block_size=4, kv_cache_bytes=pool(model, blocks, 4, kv_dtype, seqs), max_num_batched_tokens=budget,
+                    prefix_cache=prefix, max_num_seqs=seqs, kv_dtype=kv_dtype)
     pending = [greedy(tokenizer.encode(TEXTS[data.draw(st.integers(0, len(TEXTS) - 1))]), data.draw(st.integers(1, 5)), tokenizer) for _ in range(data.draw(st.integers(1, 6)))]
     added, aborted = [], set()
     for _ in range(200):
@@ -195,7 +208,7 @@ def test_random_arrivals_and_aborts(model, tokenizer, data):
         assert s.finished
         if s.id in aborted: assert s.status == "aborted"; continue
         assert len(s.output_ids) == s.params.max_tokens
-        assert_solo(model, s, kv_dtype=kv_dtype)
+        assert_solo(model, s, kv_dtype=kv_dtype, block_size=4)
 
 @pytest.mark.parametrize("switches", [dict(), dict(kernels="cpu", attention="torch"), dict(kernels="torch", weights="plain"),
                                       dict(dtype="bfloat16"), dict(kv="contiguous", kernels="cpu")],
