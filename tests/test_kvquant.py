@@ -86,7 +86,6 @@ def test_copy_on_write_and_transfers_move_codes_and_scales(kv_dtype):
 @pytest.mark.parametrize("switches, message", [
     (dict(kv_dtype="int8", kernels="step"), "kernels='step' reads K/V in the model's dtype"),
     (dict(kv_dtype="fp8", attention="cpu"), "attention='cpu' does not read kv_dtype='fp8'"),
-    (dict(kv_dtype="fp8", attention="triton"), "attention='triton' does not read kv_dtype='fp8'"),
     (dict(kv_dtype="fp8", kv="contiguous", kernels="cpu"), "needs kv='paged'"),
     (dict(kv_dtype="float16"), "stored in the model's dtype"),
     (dict(kv_dtype="int3"), "kv_dtype='int3' is not supported"),
@@ -141,17 +140,18 @@ def test_quality_on_held_out_text_within_the_measured_table(quality):
     assert quality["int4"]["same_top1"] > 0.9 and quality["int8"]["kl_mean"] < quality["int4"]["kl_mean"]
 
 
-def dequantized(x): return KV_FORMATS["int8"].dequantize(*KV_FORMATS["int8"].quantize(x))
+def dequantized(x, kv_dtype="int8"): return KV_FORMATS[kv_dtype].dequantize(*KV_FORMATS[kv_dtype].quantize(x))
 
 
-def triton_int8_decode_case(dtype, device, lens, H=2, Hq=6, D=16, bs=4, num_splits=None, seed=0):
-    "Random int8 pool (NaN scales where nothing was stored), one decode token per sequence: Triton vs attend on dequantized."
+def triton_int8_decode_case(dtype, device, lens, H=2, Hq=6, D=16, bs=4, num_splits=None, seed=0, kv_dtype="int8"):
+    """Random int8 (or fp8) pool (NaN scales where nothing was stored), one decode token per sequence: Triton vs
+    attend on K/V quantized and dequantized by the format's own PyTorch functions."""
     from minfer.flash import decode_attention
     from minfer.model import attend
     g = torch.Generator().manual_seed(seed)
     cfg = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=H, head_dim=D)
     nblocks = sum(-(-n // bs) for n in lens) + 2
-    cache = QuantizedKVCache(cfg, nblocks, bs, dtype=dtype, device=device, kv_dtype="int8")
+    cache = QuantizedKVCache(cfg, nblocks, bs, dtype=dtype, device=device, kv_dtype=kv_dtype)
     cache.k_scale.fill_(float("nan")); cache.v_scale.fill_(float("nan"))
     ids = torch.randperm(nblocks, generator=g).tolist()
     tables, ks, vs = [], [], []
@@ -166,23 +166,28 @@ def triton_int8_decode_case(dtype, device, lens, H=2, Hq=6, D=16, bs=4, num_spli
     kc, vc = cache.layer(0)
     out = decode_attention(q.to(device, dtype), kc.codes, vc.codes, bt, torch.tensor(lens, dtype=torch.int32, device=device),
                            num_splits=num_splits, k_scale=kc.scales, v_scale=vc.scales)
-    ref = torch.cat([attend(q[i:i + 1], dequantized(ks[i]), dequantized(vs[i])) for i in range(len(lens))])
+    ref = torch.cat([attend(q[i:i + 1], dequantized(ks[i], kv_dtype), dequantized(vs[i], kv_dtype))
+                     for i in range(len(lens))])
     return out.float().cpu(), ref
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 1e-2)])
 @pytest.mark.parametrize("num_splits", [None, 3])
-def test_triton_decode_reads_int8_tile_by_tile(dtype, tol, num_splits):
-    "Chapter 05's decode kernel on an int8 pool (interpreter on a CPU: fp32/fp16, small shapes) == attend on dequantized."
+def test_triton_decode_reads_int8_tile_by_tile(dtype, tol, num_splits, kv_dtype):
+    "Chapter 05's decode kernel on an int8 / fp8 pool (interpreter on a CPU: fp32/fp16, small shapes) == dequantized."
     if torch.cuda.is_available(): pytest.skip("the compiled version is test_triton_int8_decode_compiled")
-    out, ref = triton_int8_decode_case(dtype, "cpu", [11, 1, 29, 6], num_splits=num_splits)
+    out, ref = triton_int8_decode_case(dtype, "cpu", [11, 1, 29, 6], num_splits=num_splits, kv_dtype=kv_dtype)
     assert torch.allclose(out, ref, atol=tol), (out - ref).abs().max()
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-2), (torch.float16, 1e-2), (torch.bfloat16, 3e-2)])
-def test_triton_int8_decode_compiled(dtype, tol):
-    out, ref = triton_int8_decode_case(dtype, "cuda", [517, 1, 2048, 33, 300], H=8, Hq=32, D=128, bs=16)
+def test_triton_int8_decode_compiled(dtype, tol, kv_dtype):
+    if kv_dtype == "fp8" and torch.cuda.get_device_capability() < (8, 9): pytest.skip("fp8 conversions need sm_89+")
+    out, ref = triton_int8_decode_case(dtype, "cuda", [517, 1, 2048, 33, 300], H=8, Hq=32, D=128, bs=16,
+                                       kv_dtype=kv_dtype)
     assert torch.allclose(out, ref, atol=tol), (out - ref).abs().max()
 
 
