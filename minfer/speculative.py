@@ -59,8 +59,9 @@ def rejection_sample(target_probs, draft_ids, draft_probs, generators):
 
 # %% ../nbs/09_speculative.ipynb #851e87f2
 # Cost of one more row in a decode step, relative to a one-row step: measured in this chapter on the course machine
-# (2-core Xeon, fp32, one-call step), about 0.12; on a GPU it is far smaller, and a smaller value only speculates more
-ROW_COST = 0.12
+# (quiet 2-core Xeon, fp32, one-call step: 5 rows 1.82x one row, 9 rows 2.58x), about 0.2; on a GPU it is far smaller,
+# and a smaller value only speculates more
+ROW_COST = 0.2
 
 def expected_tokens(alpha, k):
     "Tokens per target pass with k guesses each accepted with probability alpha (i.i.d.): 1 + alpha + ... + alpha^k."

@@ -93,7 +93,12 @@ def test_check_fails_on_stub_and_passes_with_solution(nb_path, ex, monkeypatch):
     monkeypatch.setenv("MPLBACKEND", "Agg")
     shell = CaptureShell(mpl_format=None)
     try: _check_exercise(shell, nb, nb_path, ex)
-    finally:  # free the chapter's models before the next exercise: the whole suite would otherwise hold them all
+    finally:
+        # stop what a setup cell left running in the background (chapter 12 starts a server in a cell with imports;
+        # the cell that stops it is not setup): its engine thread would outlive the namespace it runs in
+        for obj in list(shell.user_ns.values()):
+            if type(obj).__name__ in ("ServerThread", "EngineLoop"): obj.stop()
+        # free the chapter's models before the next exercise: the whole suite would otherwise hold them all
         shell.reset(new_session=False)
         gc.collect()
 
