@@ -1,4 +1,4 @@
-"""Keys and values stored in 8 bits with one scale per token and KV head: 27% of fp32's bytes per cached token (53% of bf16's), so 3.8x the tokens, or the requests, in the same pool; or in 4 bits, KIVI-style, at 34% of bf16's bytes.
+"""K and V in 8 bits (int8, fp8: 27% of fp32's bytes per token) or 4 bits KIVI-style (34% of bf16's), scales included.
 
 Docs: https://minfer.github.io/minfer/kvquant.html.md"""
 
