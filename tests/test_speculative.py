@@ -5,7 +5,7 @@ test_engine's `assert_solo`, which allows a divergence only at a near-tie); the 
 rejection sampler (histograms over growing sample sizes, as vLLM's test_rejection_sampler does). The property test
 drives random arrivals, aborts, budgets and pools with speculation and checks that no KV block leaks.
 """
-import json, subprocess, sys
+import itertools, json, random, subprocess, sys
 from pathlib import Path
 import pytest, torch
 from hypothesis import given, settings, HealthCheck, strategies as st
@@ -13,7 +13,7 @@ from hypothesis import given, settings, HealthCheck, strategies as st
 from minfer.engine import LLMEngine, EngineConfig, SpeculativeConfig
 from minfer.llm import LLM
 from minfer.sequence import Sequence, SamplingParams
-from minfer.speculative import ngram_propose, rejection_sample, adaptive_k, expected_tokens
+from minfer.speculative import ngram_propose, rejection_sample, speculation_lengths, expected_tokens, step_cost
 from test_engine import TEXTS, assert_solo, greedy, pool, run
 
 # prompts whose continuations repeat what came before: prompt lookup has something to find
@@ -177,11 +177,25 @@ def test_engine_stochastic_first_token_distribution(model, tokenizer):
 
 
 # ---- adaptive k ------------------------------------------------------------------------------------------------
-def test_adaptive_k_rule():
-    assert adaptive_k(0.0, 8) == 0 and adaptive_k(1.0, 8) == 8
-    ks = [adaptive_k(a / 10, 8) for a in range(11)]
-    assert ks == sorted(ks)
+def test_speculation_lengths_is_the_best_choice():
+    "Against brute force over every k per sequence: the most expected tokens per unit of step time."
+    rng = random.Random(0)
+    for _ in range(200):
+        batch = rng.randint(1, 4)
+        alphas, caps = [rng.random() for _ in range(batch)], [rng.randint(0, 4) for _ in range(batch)]
+        rate = lambda ks: sum(expected_tokens(a, k) for a, k in zip(alphas, ks)) / step_cost(batch + sum(ks))
+        ks = speculation_lengths(alphas, caps)
+        assert all(0 <= k <= c for k, c in zip(ks, caps))
+        assert rate(ks) == pytest.approx(max(rate(c) for c in itertools.product(*[range(c + 1) for c in caps])))
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+def test_speculation_lengths_see_the_batch():
+    assert speculation_lengths([0.0], [8]) == [0] and speculation_lengths([1.0], [8]) == [8]
+    # a rate that pays alone does not pay in a batch of 8, where a row slows a step that makes 8 tokens
+    assert speculation_lengths([0.3], [8]) == [1] and speculation_lengths([0.3] * 8, [8] * 8) == [0] * 8
+    # one request that quotes its prompt among seven that do not: the guesses go to it
+    ks = speculation_lengths([0.9] + [0.2] * 7, [8] * 8)
+    assert ks[0] >= 4 and ks[1:] == [0] * 7
 
 def test_adaptive_greedy_equals_plain(model_dir):
     plain, spec = LLM(model_dir), LLM(model_dir, speculative={"method": "ngram", "num_speculative_tokens": 8,
