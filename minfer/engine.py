@@ -172,7 +172,8 @@ def _switch(default, help, choices=None):
 class SpeculativeConfig:
     """Chapter 09's switch in full. method: "ngram" (prompt lookup) or "draft" (a small model of the same vocabulary,
     `model`, default: the AWQ-int4 copy of the default model); k = num_speculative_tokens guesses per step, at most;
-    adaptive: choose k per request from its running acceptance rate (0 where guessing does not pay)."""
+    adaptive: each step, choose every request's k (0 where guessing does not pay) from the requests' running
+    acceptance rates, for the whole batch at once."""
     method: str
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 3
