@@ -630,5 +630,5 @@ d = { 'settings': { 'branch': 'main',
                                     'minfer.speculative.rejection_sample': ('speculative.html#rejection_sample', 'minfer/speculative.py'),
                                     'minfer.speculative.speculation_lengths': ( 'speculative.html#speculation_lengths',
                                                                                 'minfer/speculative.py'),
-                                    'minfer.speculative.step_cost': ('speculative.html#step_cost', 'minfer/speculative.py'),
+                                    'minfer.speculative.step_time': ('speculative.html#step_time', 'minfer/speculative.py'),
                                     'minfer.speculative.update_alpha': ('speculative.html#update_alpha', 'minfer/speculative.py')}}}

@@ -13,7 +13,7 @@ from hypothesis import given, settings, HealthCheck, strategies as st
 from minfer.engine import LLMEngine, EngineConfig, SpeculativeConfig
 from minfer.llm import LLM
 from minfer.sequence import Sequence, SamplingParams
-from minfer.speculative import ngram_propose, rejection_sample, speculation_lengths, expected_tokens, step_cost
+from minfer.speculative import ngram_propose, rejection_sample, speculation_lengths, expected_tokens, step_time
 from test_engine import TEXTS, assert_solo, greedy, pool, run
 
 # prompts whose continuations repeat what came before: prompt lookup has something to find
@@ -183,7 +183,7 @@ def test_speculation_lengths_is_the_best_choice():
     for _ in range(200):
         batch = rng.randint(1, 4)
         alphas, caps = [rng.random() for _ in range(batch)], [rng.randint(0, 4) for _ in range(batch)]
-        rate = lambda ks: sum(expected_tokens(a, k) for a, k in zip(alphas, ks)) / step_cost(batch + sum(ks))
+        rate = lambda ks: sum(expected_tokens(a, k) for a, k in zip(alphas, ks)) / step_time(batch + sum(ks))
         ks = speculation_lengths(alphas, caps)
         assert all(0 <= k <= c for k, c in zip(ks, caps))
         assert rate(ks) == pytest.approx(max(rate(c) for c in itertools.product(*[range(c + 1) for c in caps])))
