@@ -138,3 +138,36 @@ def test_step_switch_errors_leave_things_usable(model_dir):
     assert "\n" not in str(e.value) and "float64" in str(e.value)
     llm.model.timings = None
     assert llm.generate("The capital of France is", SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids
+
+def test_one_call_step_is_deterministic(model_dir, tokenizer):
+    """The step's logits and K/V depend on its inputs only: bitwise the same on every call, with one thread or two, and
+    after the heap has been filled with NaN. Each of its parallel loops writes its own rows from its own sums, and every
+    scratch buffer is zeroed, so a race or a read of memory nobody wrote would show here as a difference."""
+    prompts = [tokenizer.encode(t) for t in SHORT]
+    model = step_model(model_dir, "float32")
+    cache = PagedKVCache(model.cfg, 16, 4, model.dtype)
+    shuffled = torch.randperm(16, generator=torch.Generator().manual_seed(0))
+    cache.allocator.free_ids = collections.deque(shuffled.tolist())  # scattered blocks
+    attn, tables = CpuAttention(cache), []
+    with torch.inference_mode():
+        for ids in prompts:
+            t = BlockTable(cache.allocator)
+            t.append_slots(len(ids))
+            tables.append(t)
+            attn.meta = build_batch_meta([(t, 0, len(ids))], 4)
+            model(torch.tensor(ids), torch.arange(len(ids)), attn)
+        for t in tables: t.append_slots(1)
+        attn.meta = build_batch_meta([(t, t.num_tokens - 1, 1) for t in tables], 4)
+        tokens, positions = torch.tensor([1, 2, 3]), torch.tensor([t.num_tokens - 1 for t in tables])
+        threads, first = torch.get_num_threads(), None
+        try:
+            for n in (1, *[2] * 40, 1):  # a race needs both threads running at once: try a few times
+                torch.set_num_threads(n)
+                junk = [torch.full((1 << k,), float("nan")) for k in range(8, 24)]
+                del junk  # freed NaN: the next allocations of these sizes reuse it
+                run = (model(tokens, positions, attn), cache.k.clone(), cache.v.clone())
+                first = first or run
+                assert all(torch.equal(a, b) for a, b in zip(first, run)), f"a call on {n} threads differs"
+        finally:
+            torch.set_num_threads(threads)
+    assert model.timings.sum() > 0 and first[0].isfinite().all()
