@@ -35,7 +35,7 @@ sync-check: install
 	  || { echo "minfer/ is out of sync with nbs/: run nbdev-export and commit"; git status --short minfer; exit 1; }
 
 # Without CUDA, Triton kernels run only in Triton's interpreter, which must be chosen before anything imports triton
-# (transformers may import it early, in the same process as chapter 05's notebook or test_flash.py).
+# (transformers may import it early, in the same process as chapter 05a's notebook or test_flash.py).
 INTERPRET_IF_NO_CUDA = if $(BIN)/python -c "import torch, sys; sys.exit(torch.cuda.is_available())"; then export TRITON_INTERPRET=1; fi;
 
 # one process per notebook, one after another (each timed): a single nbdev-test worker running them all keeps every

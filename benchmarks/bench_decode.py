@@ -7,7 +7,7 @@ uses (chapter 05c's own matvec with `kernels="step"`, oneDNN on packed weights w
 `F.linear`, which transformers uses. Each ceiling is the best of three measurements.
 Where the greedy tokens part, the table says where, and how far apart transformers' top two logits were there.
 
-Then 4-bit weights (chapter 06): minfer on the default model's AWQ folder (int4 g64, its default switches: the one-call
+Then 4-bit weights (chapter 08): minfer on the default model's AWQ folder (int4 g64, its default switches: the one-call
 step reading the 4-bit codes, chapter 05c) beside llama.cpp (`llama-cpp-python`) running the GGUF the default model
 ships as (Q4_1), minfer bf16 and transformers bf16, alternating, medians, each with its weight bytes per token and the
 floor (copy bandwidth / those bytes). llama.cpp runs with as many threads as PyTorch uses; the row is left out with a
@@ -147,7 +147,7 @@ def main():
     ap.add_argument("--kv", nargs="+", default=["paged"], help="minfer KV modes to measure (paged is LLM()'s default)")
     ap.add_argument("--kernels", nargs="+", default=["auto"], help="minfer kernels to measure: auto, torch, cpu (05b), step (05c)")
     ap.add_argument("--awq-folder", default=str(data_dir() / "models" / "smollm2-135m-instruct-awq-g64"),
-                    help="chapter 06's AWQ folder of the default model (built with `minfer quantize` if missing)")
+                    help="chapter 08's AWQ folder of the default model (built with `minfer quantize` if missing)")
     ap.add_argument("--no-int4", action="store_true", help="skip the 4-bit part (minfer AWQ, llama.cpp Q4_1)")
     ap.add_argument("--record", action="store_true", help="write the table to benchmarks/decode-<date>.md")
     a = ap.parse_args()

@@ -1,6 +1,6 @@
-"""Chapter 10's measurement: co-located (no chunking), co-located (chunked prefill) and prefill/decode split, on the same
-Poisson workload of short requests with long prompts mixed in, the same total cores; TTFT/TPOT p50/p99, goodput against
-request rate, KV bytes and time per transfer, both workers' step timelines.
+"""Chapter 11's measurement: co-located (no chunking), co-located (chunked prefill) and prefill/decode split, on the
+same Poisson workload of short requests with long prompts mixed in, the same total cores; TTFT/TPOT p50/p99, goodput
+against request rate, KV bytes and time per transfer, both workers' step timelines.
 
     OMP_WAIT_POLICY=PASSIVE flock /tmp/minfer-bench.lock .venv/bin/python benchmarks/bench_disagg.py --out benchmarks/disagg.json
 

@@ -1,4 +1,4 @@
-"""KV-cache quantization (chapter 07): tokens per GB, requests that fit, and throughput on a KV-bound workload.
+"""KV-cache quantization (chapter 09): tokens per GB, requests that fit, and throughput on a KV-bound workload.
 
 Every format runs on the same model with kernels=cpu (the one-call decode step of chapter 05c reads only the model's
 dtype) and `--attention`: torch (chapter 03's reference, which reads every format) or auto (each format's own: the C++

@@ -1,4 +1,4 @@
-"""Speculative decoding (chapter 09): prompt lookup with k in {1, 2, 4, 8} and adaptive k against no speculation, on a
+"""Speculative decoding (chapter 10): prompt lookup with k in {1, 2, 4, 8} and adaptive k against no speculation, on a
 copy-heavy workload (quote, edit or summarise a given paragraph of data/text/course.txt; code with repeated
 identifiers) and an open-ended one (stories, explanations), at batch 1 (prompts one after another) and batch 8 (one
 `generate` call), greedy, natural stops, chat template (as a user would call it). One process, every configuration in

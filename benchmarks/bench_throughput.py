@@ -81,7 +81,7 @@ def main():
     mixes = {"decode": make_workload(tok, a.requests, seed=0), "prefill": prefill_heavy(tok, a.requests)}
     rows, configs = [], {}
     for dtype in a.dtypes:
-        # a switch set may name another folder (model=<path>: chapter 06's AWQ folder of the default model, say)
+        # a switch set may name another folder (model=<path>: chapter 08's AWQ folder of the default model, say)
         llms = {"default": LLM(d, dtype=dtype), **{s: LLM(**{"model": d, "dtype": dtype, **switches(s)}) for s in a.also}}
         for name, llm in llms.items(): configs[dtype, name] = repr(llm).replace(str(d), "<default model>")
         hf = None if a.no_transformers else LlamaForCausalLM.from_pretrained(d, dtype=getattr(torch, dtype)).eval()

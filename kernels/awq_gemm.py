@@ -1,4 +1,4 @@
-"""Kernel lab: the W4A16 AWQ GEMM (`minfer.awq.awq_gemm`, chapter 06).
+"""Kernel lab: the W4A16 AWQ GEMM (`minfer.awq.awq_gemm`, chapter 08).
 
 Checks the Triton kernel against its PyTorch reference (dequantise the AutoAWQ GEMM tensors, then `F.linear`), then
 benchmarks it with `triton.testing.do_bench` against the dense fp16/bf16 matmul of the same (dequantised) weight and the

@@ -1,4 +1,4 @@
-"""Kernel lab: FlashAttention prefill/extend over a paged KV cache (`minfer.flash.prefill_attention`, chapter 05).
+"""Kernel lab: FlashAttention prefill/extend over a paged KV cache (`minfer.flash.prefill_attention`, chapter 05a).
 
 Checks the kernel against PyTorch's SDPA, then benchmarks it with `triton.testing.do_bench` against
 `torch.nn.functional.scaled_dot_product_attention` (contiguous K/V) and a naive PyTorch attention that materialises the

@@ -1,4 +1,4 @@
-"""Kernel lab: split-KV paged decode attention (`minfer.flash.decode_attention`, chapter 05).
+"""Kernel lab: split-KV paged decode attention (`minfer.flash.decode_attention`, chapter 05a).
 
 Checks the kernel against PyTorch's SDPA, then benchmarks it with `triton.testing.do_bench` against
 `torch.nn.functional.scaled_dot_product_attention` on contiguous K/V and the naive PyTorch paged path (gather K/V through

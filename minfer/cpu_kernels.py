@@ -152,7 +152,7 @@ void paged_decode(const T* q, int64_t q_stride, const T* k, const T* v, int64_t 
   }
 }
 
-// Chapter 07: the same attention over an int8 pool: codes [slots, n_kv, d] and one float scale per slot and KV head
+// Chapter 09: the same attention over an int8 pool: codes [slots, n_kv, d] and one float scale per slot and KV head
 // (k_scale, v_scale [slots, n_kv]). The pool's `store` has already quantized and written the new tokens. A key's scale
 // multiplies its dot product once; a value's scale folds into its softmax weight: the codes are read as they are.
 template <typename T>
@@ -262,7 +262,7 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {"rms_norm": [_P, _P, _P, _P, _I, _I, _F], "rope": [_P, _P, _P, _I, _I, _I, _I],
                "silu_mul": [_P, _P, _I, _I],
                "paged_decode": [_P, _I, _P, _P, _I, _P, _P, _P, _P, _I, _P, _I, _P, _I, _I, _I, _I, _F],
-               "paged_decode_q8": [_P, _I, _P, _P, _P, _P, _P, _I, _P, _I, _P, _I, _I, _I, _I, _F]}  # chapter 07's int8
+               "paged_decode_q8": [_P, _I, _P, _P, _P, _P, _P, _I, _P, _I, _P, _I, _I, _I, _I, _F]}  # chapter 09's int8
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 def load_kernels(lib_path, signatures):
@@ -370,7 +370,7 @@ class CpuAttention(PagedAttention):
     """`PagedAttention` whose decode steps are one `paged_decode` call per layer: write the new K/V, attend over each
     sequence's blocks in place, in fp32. Prefill chunks and mixed steps use chapter 03's path."""
     devices, dtypes = ("cpu",), ("float32", "bfloat16")  # and a C++ compiler (`can_fuse`)
-    kv_dtypes = ("auto", "int8")  # int8: chapter 07's pool, read by `paged_decode_q8`
+    kv_dtypes = ("auto", "int8")  # int8: chapter 09's pool, read by `paged_decode_q8`
     def __call__(self, layer, q, k, v):
         m, (k_pool, v_pool) = self.meta, (self.cache.k[layer], self.cache.v[layer])
         if k_pool.dtype == torch.int8 and m.max_seqlen_q == 1 and q.shape[0] == len(m.seq_lens):
@@ -389,7 +389,7 @@ class CpuAttention(PagedAttention):
         return out
 
     def decode_int8(self, layer, q, k, v):
-        "Chapter 07's int8 pool: the pool quantizes and stores the new K/V, then one `paged_decode_q8` call attends."
+        "Chapter 09's int8 pool: the pool quantizes and stores the new K/V, then one `paged_decode_q8` call attends."
         m, c = self.meta, self.cache
         c.store(layer, m.slot_mapping, k, v)
         k_pool, v_pool, k_scale, v_scale = c.k[layer], c.v[layer], c.k_scale[layer], c.v_scale[layer]

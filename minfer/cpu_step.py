@@ -67,7 +67,7 @@ void matvec(const T* W, const T* x, T* y, int64_t rows, int64_t n_in, int64_t n_
   }
 }
 
-// The same product for 4-bit weights (chapter 06's AWQ, repacked by `pack_q4`). A weight is (code - zero) * scale with
+// The same product for 4-bit weights (chapter 08's AWQ, repacked by `pack_q4`). A weight is (code - zero) * scale with
 // one fp16 scale and zero (an integer 0..15) per group of `group` inputs of an output row, so
 //   y_o = sum_groups scale * (sum_i code_i x_i) - scale * zero * (sum_i x_i):
 // the codes meet x as small integers, the scale is applied once per group, the zero meets the group's sum of x
@@ -415,7 +415,7 @@ def can_step(dtype, device):
 def fuse_decode_step(model):
     """Make `model`'s decode steps one `decode_step` call each (the class switches to `StepLlama`, in place). The
     projections are read as plain [out, in] matrices in the model's dtype, or, where every one of them has a
-    `q4_weights()` method (chapter 06's `AWQLinear`: `(pack_q4 bytes, group size)`), as 4-bit codes by
+    `q4_weights()` method (chapter 08's `AWQLinear`: `(pack_q4 bytes, group size)`), as 4-bit codes by
     `decode_step_q4`."""
     if not can_step(model.dtype, model.device):
         raise ValueError(f"the one-call decode step needs float32 or bfloat16 on a CPU with a C++ compiler and OpenMP; this model is {model.dtype} on {model.device}")

@@ -156,8 +156,8 @@ class PagedKVCache:
     """The KV pool: `k`, `v` of shape [layers, num_blocks, block_size, kv_heads, head_dim] (so `k[layer]` is one layer's
     [num_blocks, block_size, kv_heads, head_dim]), and the `allocator` that hands out its blocks.
     Everything that touches the pool's memory goes through three methods: `store` writes new tokens' keys and values
-    (where chapter 07 quantizes), `read_blocks` / `write_blocks` move whole blocks (copy-on-write here, chapter 10's
-    transfer between processes). `tensors` names every per-block tensor (chapter 07 adds scales), so they move too."""
+    (where chapter 09 quantizes), `read_blocks` / `write_blocks` move whole blocks (copy-on-write here, chapter 11's
+    transfer between processes). `tensors` names every per-block tensor (chapter 09 adds scales), so they move too."""
     def __init__(self, cfg, num_blocks, block_size=16, dtype=torch.float32, device="cpu"):
         shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.k, self.v = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
@@ -169,7 +169,7 @@ class PagedKVCache:
 
     def layer(self, layer):
         "What attention reads of `layer`: its K and V pools [num_blocks, block_size, kv_heads, head_dim]."
-        # chapter 07's quantized pools return views instead, which dequantize only the rows attention gathers
+        # chapter 09's quantized pools return views instead, which dequantize only the rows attention gathers
         return self.k[layer], self.v[layer]
 
     @classmethod
@@ -212,8 +212,8 @@ class PagedAttention:
     """The model's `attention(layer, q, k, v)` over a paged cache. Set `meta` (a `BatchMeta`) before each forward.
     `__call__` writes the new k, v at `meta.slot_mapping`; `attention` is the PyTorch reference (subclasses override it)."""
     decode_group = 16  # decode sequences attended together in one padded SDPA call (sorted by length, so little padding)
-    # what this backend runs on; the engine's config refuses other combinations (chapter 08b)
-    # kv_dtypes: "auto" is the model's dtype; chapter 07's quantized formats are read through `cache.layer`, dequantized
+    # what this backend runs on; the engine's config refuses other combinations (chapter 06b)
+    # kv_dtypes: "auto" is the model's dtype; chapter 09's quantized formats are read through `cache.layer`, dequantized
     devices, dtypes, kv_dtypes = ("cpu", "cuda"), ("float32", "bfloat16", "float16"), ("auto", "int8", "fp8", "int4")
 
     def __init__(self, cache): self.cache, self._meta, self.plan = cache, None, None
@@ -267,7 +267,7 @@ class PagedAttention:
             return decode_group(q, *decode[0][1:])
         out = torch.empty_like(q)
         for r0, r1, slots in prefill:
-            if hasattr(k_flat, "attend_chunk"):  # chapter 07's int4 pool: a query reads its own block unquantized
+            if hasattr(k_flat, "attend_chunk"):  # chapter 09's int4 pool: a query reads its own block unquantized
                 out[r0:r1] = k_flat.attend_chunk(q[r0:r1], v_flat, slots)
                 continue
             out[r0:r1] = attend(q[r0:r1], take(k_flat, slots).to(q.dtype), take(v_flat, slots).to(q.dtype))

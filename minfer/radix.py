@@ -87,7 +87,7 @@ class RadixCache:
     def admit(self, tokens):
         """Start a new sequence from its longest cached prefix -> (its `BlockTable`, the node it holds locked).
         A full hit still leaves the last token to compute: its logits give the next token. The one admit path for
-        prefix-cache hits: chapter 08a's scheduler and the generators here all call it. `unlock(node)` when done."""
+        prefix-cache hits: chapter 06a's scheduler and the generators here all call it. `unlock(node)` when done."""
         blocks, n, node = self.match_prefix(tokens)
         n = min(n, len(tokens) - 1)
         self.lock(node)

@@ -28,7 +28,7 @@ def param_counts(cfg):
 
 def weight_bytes_per_step(cfg, dtype="float32", projection_bits=None):
     """Weight bytes one forward step reads: every matrix once, the embedding only as the rows looked up (negligible).
-    `projection_bits`: bits per weight of the layers' projections when their format differs from `dtype` (chapter 06's
+    `projection_bits`: bits per weight of the layers' projections when their format differs from `dtype` (chapter 08's
     4-bit weights with their scales and zeros); the norms and the LM head stay in `dtype`."""
     p = param_counts(cfg)
     lm_head = cfg.vocab_size * cfg.hidden_size  # tied or not, the LM head matrix is read in full
@@ -236,7 +236,7 @@ class Ledger:
     steps: int = 0
     tokens_in: int = 0
     tokens_out: int = 0
-    projection_bits: float = None  # the weight format's bits per projection weight, if not the dtype's (chapter 06)
+    projection_bits: float = None  # the weight format's bits per projection weight, if not the dtype's (chapter 08)
 
     def record(self, new_tokens, cached_context, logits_rows=None, cached=True):
         "One forward step. new_tokens[i], cached_context[i]: tokens computed / tokens read from cache for sequence i."

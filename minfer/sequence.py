@@ -25,8 +25,8 @@ class RequestMetrics:
     num_generated_tokens: int = 0
     num_cached_tokens: int = 0
     bytes_per_token: float = 0.0
-    num_decode_passes: int = 0        # target-model passes that gave this request tokens after its first (chapter 09)
-    num_draft_tokens: int = 0         # speculative tokens proposed for it (chapter 09)
+    num_decode_passes: int = 0        # target-model passes that gave this request tokens after its first (chapter 10)
+    num_draft_tokens: int = 0         # speculative tokens proposed for it (chapter 10)
     num_accepted_tokens: int = 0      # ... and accepted by the target model
 
     @property
@@ -61,7 +61,7 @@ _sequence_ids = itertools.count()
 @dataclass(eq=False)
 class Sequence:
     """One stream of tokens: the prompt, what has been generated, how to sample it and when it is finished.
-    Plain data: every field anything reads is declared here, the scheduler's (chapter 08a) and the engine's (08b) too.
+    Plain data: every field anything reads is declared here, the scheduler's (chapter 06a) and the engine's (06b) too.
     Pickling leaves the tokenizer behind (a worker process gets ids and state; text is made where the tokenizer is).
     Sampling needs no generator state: token k is drawn with a generator seeded by (seed, k), so any process that
     samples it draws the same token."""
@@ -88,9 +88,9 @@ class Sequence:
     radix_node: object = field(init=False, default=None)    # the prefix-cache path it holds locked (chapter 04)
     forks: list = field(init=False, default_factory=list)   # further samples of its prompt, started after the prompt
     bytes_moved: float = field(init=False, default=0.0)     # its share of the engine's bytes (weights + its own KV)
-    draft_ids: list = field(init=False, default_factory=list)  # speculative tokens to verify in the next step (ch. 09)
+    draft_ids: list = field(init=False, default_factory=list)  # speculative tokens to verify in the next step (ch. 10)
     draft_probs: object = field(init=False, default=None)    # their proposer's distributions [k, vocab]; None: one-hot
-    spec_alpha: float | None = field(init=False, default=None)  # its running acceptance rate (adaptive k, ch. 09)
+    spec_alpha: float | None = field(init=False, default=None)  # its running acceptance rate (adaptive k, ch. 10)
     # incremental detokenization: decoded up to _read, text of ids[_prefix:_read] is a settled window; handed out
     _prefix: int = field(init=False, default=0, repr=False)
     _read: int = field(init=False, default=0, repr=False)

@@ -1,4 +1,4 @@
-"""Chapter 06's AWQ INT4 weights: the packing against AutoAWQ's own code, the kernels against the dequantised reference,
+"""Chapter 08's AWQ INT4 weights: the packing against AutoAWQ's own code, the kernels against the dequantised reference,
 the search's folding against the unscaled model, the folder format, loading and its errors, and perplexity.
 
 References are independent of minfer's code: AutoAWQ's packing loop and unpacking functions (copied below verbatim, MIT
@@ -379,12 +379,12 @@ def test_cli_quantize_then_llm_loads_the_folder(model_dir, tmp_path):
         assert "\n" not in str(e.value) and words in str(e.value)
 
 def test_awq_folder_of_real_model_answers_paris(model_dir, tokenizer):
-    """Chapter 06's AWQ folder of the default model (16 x 512 calibration tokens) still answers the chat question,
+    """Chapter 08's AWQ folder of the default model (16 x 512 calibration tokens) still answers the chat question,
     through the CPU int4 kernel. With only 2 x 64 calibration tokens from the text's start it did not (it answered
     "L'Étoil de combat"): the search overfits a calibration set that small. The search takes minutes on a 2-core CPU,
     so this runs where the notebook's slow cells (or `minfer quantize`) have made the folder."""
     dst = data_dir() / "models" / "smollm2-135m-instruct-awq-g64"
-    if not is_awq_folder(dst): pytest.skip(f"{dst} is not built (chapter 06's slow cells or `minfer quantize` make it)")
+    if not is_awq_folder(dst): pytest.skip(f"{dst} is not built (chapter 08's slow cells or `minfer quantize` make it)")
     assert len(json.loads((dst / "awq_report.json").read_text())) == 30
     model = load_awq_model(dst, "bfloat16")  # the CPU int4 kernel
     chat = [{"role": "user", "content": "What is the capital of France?"}]

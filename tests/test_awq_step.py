@@ -1,4 +1,4 @@
-"""Chapter 06's int4 weights inside chapter 05c's one-call decode step: the 4-bit matvec against the dequantising
+"""Chapter 08's int4 weights inside chapter 05c's one-call decode step: the 4-bit matvec against the dequantising
 reference (`dequantize_awq`, AutoAWQ's definition of the weight), each CPU instruction set's path of it, and the whole
 step against the modules' path (the dequantising reference in fp32, PyTorch's CPU int4 kernel in bf16)."""
 import platform

@@ -1,6 +1,6 @@
-"""Chapter 10: prefill and decode on separate worker processes (`pd_split=True`).
+"""Chapter 11: prefill and decode on separate worker processes (`pd_split=True`).
 
-Greedy tokens must equal the co-located engine's (chapter 08b's `LLMEngine`, itself checked against naive decode) on
+Greedy tokens must equal the co-located engine's (chapter 06b's `LLMEngine`, itself checked against naive decode) on
 the same prompts: with prefix-cache hits on the prefill side, n > 1 forks, aborts while a transfer is under way, and
 requests that wait for room in a small decode pool. Faults: a worker that dies ends the requests in flight with
 finish_reason='error' and a `WorkerDied`, nothing hangs, and no worker process outlives `close()` or the program.
@@ -44,7 +44,7 @@ def tok(config): return Tokenizer(config.model)
 
 @pytest.fixture(scope="module")
 def colocated(config):
-    "The reference: the same switches in one process (chapter 08b's engine), no prefix cache."
+    "The reference: the same switches in one process (chapter 06b's engine), no prefix cache."
     own = EngineConfig(model=config.model, max_num_batched_tokens=64).resolve()
     return build_engine(own, build_model(own))
 

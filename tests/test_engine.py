@@ -1,4 +1,4 @@
-"""Chapter 08: continuous batching + chunked prefill.
+"""Chapter 06: continuous batching + chunked prefill.
 
 Every request's greedy output equals its output run alone through chapter 02a's `cached_generate` (the independent
 reference), under mixed lengths, chunking, forced preemption, prefix hits, forks and aborts; random arrival/abort
@@ -21,8 +21,8 @@ TEXTS = ["The three primary colors are", "def fibonacci(n):", "Once upon a time,
          "List of European capitals: Paris, Berlin,", "Q: What is the boiling point of water?\nA:", "1, 2, 3, 4,",
          "The mitochondria is the powerhouse of the cell. It produces energy by", "Hello"]
 
-# every test that takes `kv_dtype` runs with each KV format (chapter 07): a lossy format's reference is the same format,
-# the sequence alone in a fresh pool, whole prompt in one step (chapter 07's `kv_logprobs`, greedy); "auto" is lossless.
+# every test that takes `kv_dtype` runs with each KV format (chapter 09): a lossy format's reference is the same format,
+# the sequence alone in a fresh pool, whole prompt in one step (chapter 09's `kv_logprobs`, greedy); "auto" is lossless.
 # int4 groups keys by block, so its reference uses the engine's block size (and the same rule for what is quantized)
 KV_DTYPES = ["auto", "int8", "fp8", "int4"]
 # A different batch shape changes float summation order (1e-6 relative), which can move a stored element across a code

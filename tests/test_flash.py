@@ -1,4 +1,4 @@
-"""Chapter 05's Triton attention kernels against PyTorch's SDPA (`minfer.model.attend`), one sequence at a time.
+"""Chapter 05a's Triton attention kernels against PyTorch's SDPA (`minfer.model.attend`), one sequence at a time.
 
 Without CUDA the kernels run in Triton's interpreter: TRITON_INTERPRET=1 is set below, before anything imports
 triton, and only fp32/fp16 are tested (the interpreter computes bf16 wrongly). With CUDA the same tests run compiled,

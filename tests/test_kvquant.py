@@ -1,4 +1,4 @@
-"""Chapter 07: KV-cache quantization (kv_dtype="int8" / "fp8" / "int4").
+"""Chapter 09: KV-cache quantization (kv_dtype="int8" / "fp8" / "int4").
 
 Lossy, so never compared with its own earlier output: the formats' round trips against their definitions (int8: half
 a step of amax/127; fp8 e4m3: 3 mantissa bits), the pool's bytes (scales counted) against arithmetic, block moves
@@ -175,7 +175,7 @@ def triton_int8_decode_case(dtype, device, lens, H=2, Hq=6, D=16, bs=4, num_spli
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 1e-2)])
 @pytest.mark.parametrize("num_splits", [None, 3])
 def test_triton_decode_reads_int8_tile_by_tile(dtype, tol, num_splits, kv_dtype):
-    "Chapter 05's decode kernel on an int8 / fp8 pool (interpreter on a CPU: fp32/fp16, small shapes) == dequantized."
+    "Chapter 05a's decode kernel on an int8 / fp8 pool (interpreter on a CPU: fp32/fp16, small shapes) == dequantized."
     if torch.cuda.is_available(): pytest.skip("the compiled version is test_triton_int8_decode_compiled")
     out, ref = triton_int8_decode_case(dtype, "cpu", [11, 1, 29, 6], num_splits=num_splits, kv_dtype=kv_dtype)
     assert torch.allclose(out, ref, atol=tol), (out - ref).abs().max()
@@ -388,7 +388,7 @@ def test_engine_runs_int4_and_answers_paris(model_dir):
 
 def triton_int4_decode_case(dtype, device, lens, H=2, Hq=6, D=16, bs=4, seed=0):
     """An int4 pool (sequences over shuffled blocks, stored in chunks of 3 so that some blocks complete and the last
-    ones may not), then one decode token per sequence through chapter 05's Triton kernel -> (out, the independent
+    ones may not), then one decode token per sequence through chapter 05a's Triton kernel -> (out, the independent
     reference of the rule for each sequence's last position)."""
     from minfer.flash import TritonAttention
     g = torch.Generator().manual_seed(seed)
@@ -423,7 +423,7 @@ def triton_int4_decode_case(dtype, device, lens, H=2, Hq=6, D=16, bs=4, seed=0):
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 1e-2)])
 def test_triton_decode_reads_int4_tile_by_tile(dtype, tol):
-    """Chapter 05's decode kernel on an int4 pool (interpreter on a CPU: fp32/fp16, small shapes) == the independent
+    """Chapter 05a's decode kernel on an int4 pool (interpreter on a CPU: fp32/fp16, small shapes) == the independent
     reference: complete blocks dequantized (two codes a byte, per-channel key and per-group value scales), the blocks
     not complete yet read from the residual window; lengths with a complete, a partial and a one-token last block."""
     if torch.cuda.is_available(): pytest.skip("the compiled version is test_triton_int4_decode_compiled")

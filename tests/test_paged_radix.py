@@ -70,7 +70,7 @@ def test_batch_meta_layout():
 
 
 def dequantized(x, kv_dtype):
-    "Independent reference for chapter 07's formats: symmetric, one scale (amax / largest code) per token per head."
+    "Independent reference for chapter 09's formats: symmetric, one scale (amax / largest code) per token per head."
     if kv_dtype == "auto": return x
     qmax = 127.0 if kv_dtype == "int8" else 448.0
     scale = x.abs().amax(-1, keepdim=True) / qmax
@@ -90,7 +90,7 @@ def dequantized(x, kv_dtype):
 def test_paged_attention_matches_contiguous_attention(lens, q_lens, decode_group, layout, kv_dtype):
     """Random K/V in blocks that are out of order (gathered) or consecutive per sequence (viewed in place), NaN
     everywhere else, including the unused tail of each last block: same output as `attend` on contiguous K/V.
-    Quantized pools (chapter 07, NaN scales where nothing was written): same as `attend` on dequantized K/V."""
+    Quantized pools (chapter 09, NaN scales where nothing was written): same as `attend` on dequantized K/V."""
     from types import SimpleNamespace
     from minfer.model import attend
     g = torch.Generator().manual_seed(0)

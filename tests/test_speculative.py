@@ -1,4 +1,4 @@
-"""Chapter 09: speculative decoding.
+"""Chapter 10: speculative decoding.
 
 References: vLLM's published n-gram cases; chapter 02a's `cached_generate` run alone for greedy outputs (through
 test_engine's `assert_solo`, which allows a divergence only at a near-tie); the target distribution itself for the

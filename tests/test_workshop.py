@@ -55,7 +55,7 @@ def test_broken_convention_is_reported(tmp_path):
 
 
 def test_setup_keeps_cells_that_attach_methods():
-    "A method attached after its class (`Scheduler.schedule = schedule`, as 08a does) is part of the class's setup."
+    "A method attached after its class (`Scheduler.schedule = schedule`, as 06a does) is part of the class's setup."
     cells = ["import math", "class A:\n    pass", "def go(self): return 1\n\nA.go = go", "unrelated = 3",
              "#| exercise\ndef f(a): return a.go()", "assert f(A()) == 1"]
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
@@ -94,7 +94,7 @@ def test_check_fails_on_stub_and_passes_with_solution(nb_path, ex, monkeypatch):
     shell = CaptureShell(mpl_format=None)
     try: _check_exercise(shell, nb, nb_path, ex)
     finally:
-        # stop what a setup cell left running in the background (chapter 12 starts a server in a cell with imports;
+        # stop what a setup cell left running in the background (chapter 07b starts a server in a cell with imports;
         # the cell that stops it is not setup): its engine thread would outlive the namespace it runs in
         for obj in list(shell.user_ns.values()):
             if type(obj).__name__ in ("ServerThread", "EngineLoop"): obj.stop()

@@ -297,7 +297,7 @@ WORKSHOP_PLANS = [
         (20, ["11"], "everything as switches: `LLM`, `minfer generate` and `minfer bench` with a switch off and on"),
     ]),
     ("Full day", "The half day's path plus sampling, FlashAttention, the CPU kernels and the server; one GPU in the "
-                 "room for chapter 05's measured part, if there is one.", [
+                 "room for chapter 05a's measured part, if there is one.", [
         (30, ["00a", "00b"], "what a model is and why decode is memory-bound"),
         (40, ["01", "02a"], "recompute against cache"),
         (30, ["02b", "02c", "02d"], "sampling, the `Sequence` and a first engine"),
