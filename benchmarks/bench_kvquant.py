@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 from minfer.engine import EngineConfig, build_model, build_engine, workload_sequence
-from minfer.kvquant import KV_FORMATS, kv_token_bytes
+from minfer.paged import KV_FORMATS, kv_token_bytes
 from minfer.model import Tokenizer, default_model_dir, data_dir
 from minfer.roofline import MODELS
 

@@ -13,8 +13,7 @@ import torch
 from minfer.llm import LLM
 from minfer.model import data_dir
 from minfer.sequence import SamplingParams
-from minfer.engine import speculative_config
-from minfer.speculative import Speculator
+from minfer.engine import SPECULATORS, speculative_config
 from minfer.roofline import measure_bandwidth, weight_bytes_per_step
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -65,8 +64,9 @@ def main(argv=None):
     # one model and engine for every configuration (six copies of the model and its KV pool do not fit in memory
     # beside other jobs): each run switches the engine's speculator, what `LLM(speculative=...)` would have built
     llm = LLM()
-    speculators = {name: None if spec is None else Speculator(speculative_config(spec), llm.engine)
-                   for name, spec in CONFIGS.items()}
+    specs = {name: speculative_config(spec) for name, spec in CONFIGS.items()}
+    speculators = {name: None if spec is None else SPECULATORS[spec.method](spec, llm.engine)
+                   for name, spec in specs.items()}
     work = workloads()
     cases = [(w, b) for w in work for b in (1, 8)]
     times = {(c, w, b): [] for c in CONFIGS for w, b in cases}

@@ -10,10 +10,10 @@ __all__ = ['AWQ_BITS', 'MAX_Q', 'AWQ_ORDER', 'AWQ_REVERSE_ORDER', 'PROJECTIONS',
            'capture_inputs', 'calibration_start', 'search_scale', 'search_clip', 'apply_clip', 'awq_transform',
            'pack_int4', 'unpack_int4', 'pack_awq', 'dequantize_awq', 'AWQLinear', 'cpu_int4_available', 'fuse_awq',
            'awq_gemm', 'quantization_config', 'quantize_model_tensors', 'quantize_folder', 'is_awq_folder',
-           'check_awq_config', 'load_awq_model', 'awq_bytes_per_token', 'perplexity']
+           'check_awq_config', 'load_awq_model', 'awq_bytes_per_token', 'run_quantize', 'perplexity']
 
 # %% ../nbs/08_awq.ipynb #9cda7a9a
-import json, math, os, shutil
+import json, math, os, shutil, sys
 from pathlib import Path
 
 import torch
@@ -26,9 +26,10 @@ import triton
 import triton.language as tl
 
 from .model import (DTYPES, Llama, ModelConfig, NoCache, RotaryEmbedding, Tokenizer, WeightFormat, data_dir,
-                          load_model, register_weight_format)
+                          check_model_folder, load_model, register_weight_format)
 from .roofline import DTYPE_BYTES, param_counts
 from .cpu_step import pack_q4
+from .cli import COMMANDS, Command
 
 # %% ../nbs/08_awq.ipynb #5321c86d
 AWQ_BITS = 4
@@ -503,8 +504,23 @@ register_weight_format(WeightFormat(
     # bf16 on a CPU: PyTorch's int4 kernel takes bf16 inputs (fp32 would dequantize every weight on every call);
     # step_weights: chapter 05c's one-call decode step reads the codes, repacked by `AWQLinear.q4_weights`
     "awq-int4", load=load_awq_model, bits=_awq_bits, detect=is_awq_folder, plain_weights=False, step_weights=True,
-    dtype="bfloat16",
+    stored=True, dtype="bfloat16",
     about="AutoAWQ's GEMM format (4-bit codes, fp16 scales, 4-bit zeros per group), AWQLinear (chapter 08)"))
+
+def _quantize_args(p):
+    p.add_argument("src", help="Hugging Face model folder to quantize")
+    p.add_argument("dst", help="folder to write, in AutoAWQ's GEMM format")
+    p.add_argument("--method", default="awq", choices=("awq", "rtn"), help="AWQ's scale search, or plain rounding")
+    p.add_argument("--group-size", type=int, default=64, help="inputs per scale and zero point (576 = 9 x 64)")
+
+def run_quantize(a):
+    out = quantize_folder(check_model_folder(a.src), a.dst, method=a.method, group_size=a.group_size,
+                          log=lambda line: print(line, file=sys.stderr))
+    print(f"wrote {out}: load it with LLM({str(out)!r}) or minfer generate --model {out}")
+
+# `minfer quantize SRC DST`, a subcommand of chapter 07c's command line
+COMMANDS["quantize"] = Command("write an AWQ (or round-to-nearest) int4 copy of a model folder (chapter 08)",
+                               _quantize_args, run_quantize)
 
 # %% ../nbs/08_awq.ipynb #d382bb9b
 @torch.no_grad()

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from .model import RMSNorm, Attention, MLP, DecoderLayer, data_dir
-from .paged import PagedAttention
+from .paged import PagedAttention, ATTENTION_BACKENDS
 
 # %% ../nbs/05b_cpu_kernels.ipynb #80b0191d
 CPU_KERNELS_SOURCE = r"""
@@ -399,3 +399,5 @@ class CpuAttention(PagedAttention):
             m.block_tables.data_ptr(), m.block_tables.shape[1], m.seq_lens.data_ptr(), k_pool.shape[1], out.data_ptr(),
             q.shape[0], q.shape[1], k_pool.shape[2], q.shape[2], q.shape[2] ** -0.5)
         return out
+
+ATTENTION_BACKENDS["cpu"] = CpuAttention  # attention="cpu" (chapter 03's registry)

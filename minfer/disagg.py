@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from .engine import build_model, build_engine, parse_cores
+from .engine import WORKER_ENGINES, build_model, build_engine, parse_cores
 from .paged import BlockTable, OutOfBlocks
 
 # %% ../nbs/11_disagg.ipynb #7b0c7936
@@ -299,7 +299,9 @@ class DisaggEngine:
         deadline = time.perf_counter() + start_timeout
         while len(self.worker_info) < len(ROLES):
             if time.perf_counter() > deadline: self._fail(f"workers not ready after {start_timeout:.0f} s")
-            self._handle(take_messages(self.outbox, wait=0.1))
+            ended = [f"{r} (exit code {p.exitcode})" for r, p in self.procs.items() if p.exitcode is not None]
+            self._handle(take_messages(self.outbox, wait=0.1))  # a worker's own error message, if it sent one, first
+            if ended: self._fail(f"the {' and '.join(ended)} worker ended while starting")
         self.cache = SimpleNamespace(num_blocks=min(i["num_blocks"] for i in self.worker_info.values()),
                                      block_size=config.block_size)  # what one request may hold: the smaller pool
 
@@ -441,6 +443,8 @@ def stop_workers(procs, queues, grace=5.0):
     for q in queues:
         q.cancel_join_thread()  # never block interpreter exit on a message nobody will read
         q.close()
+
+WORKER_ENGINES["pd_split"] = DisaggEngine  # LLM(pd_split=True) builds it (chapter 06b's `build_engine`)
 
 # %% ../nbs/11_disagg.ipynb #e3de795a
 def slo_attainment(requests, ttft_slo, tpot_slo):

@@ -295,7 +295,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, num_splits=Non
     return o
 
 # %% ../nbs/05a_flash.ipynb #e9c27b79
-from .paged import PagedAttention
+from .paged import PagedAttention, ATTENTION_BACKENDS
 
 class TritonAttention(PagedAttention):
     "PagedAttention with the Triton kernels: split-KV decode when every sequence has one new token, else prefill/extend."
@@ -315,3 +315,5 @@ class TritonAttention(PagedAttention):
             return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens)
         if quantized: return super().attention(q, k_cache, v_cache, meta)
         return prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, meta.max_seqlen_q)
+
+ATTENTION_BACKENDS["triton"] = TritonAttention  # attention="triton" (chapter 03's registry)

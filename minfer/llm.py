@@ -6,19 +6,17 @@ Docs: https://minfer.github.io/minfer/llm.html.md"""
 
 # %% auto #0
 __all__ = ['Completion', 'RequestOutput', 'LLM', 'generate', 'add_request', 'step', 'has_unfinished', 'abort', 'stream', 'chat',
-           'decode_breakdown', 'add_engine_args', 'engine_switches', 'main']
+           'decode_breakdown', 'add_engine_args', 'engine_switches']
 
 # %% ../nbs/07a_llm.ipynb #83c7b6b6
-import argparse, sys, time
+import argparse, time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
-from .model import ModelConfig, Tokenizer, check_model_folder
-from .awq import quantize_folder  # registers chapter 08's `awq-int4` weight format too
+from .model import ModelConfig, Tokenizer
 from .sequence import SamplingParams, Sequence
 from .engine import EngineConfig, build_model, build_engine
-from .disagg import DisaggEngine  # chapter 11: pd_split=True
 from .cpu_step import StepLlama
 from .roofline import decode_bytes_per_token
 
@@ -64,7 +62,7 @@ class LLM:
         self.tokenizer = Tokenizer(self.model_dir)
         # pd_split (chapter 11): the workers load the model; this process only routes and detokenizes
         self.model = None if self.config.pd_split else build_model(self.config)
-        self.engine = DisaggEngine(self.config) if self.config.pd_split else build_engine(self.config, self.model)
+        self.engine = build_engine(self.config, self.model)
         eos = set(self.model_config.eos_token_id)
         if self.tokenizer.eos_token_id is not None: eos.add(self.tokenizer.eos_token_id)
         self.eos_ids = tuple(sorted(eos))
@@ -256,96 +254,3 @@ def add_engine_args(p):
 def engine_switches(args):
     "The `EngineConfig` fields of parsed arguments, as `LLM(**...)` takes them."
     return {f.name: getattr(args, f.name) for f in fields(EngineConfig)}
-
-def _add_common(p):
-    add_engine_args(p)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--metrics", action="store_true", help="print TTFT, TPOT, tokens/s and bytes/token")
-
-def _raw_flag(p): p.add_argument("--raw", action="store_true", help="send the prompt as-is, without the chat template")
-
-def _params(a):
-    return SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens, seed=a.seed,
-                          stop=a.stop)
-def _llm(a): return LLM(**engine_switches(a))
-
-def _print_metrics(m, file=sys.stderr):
-    fmt = lambda v: "-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
-    print("  ".join(f"{k}={fmt(v)}" for k, v in m.items()), file=file)
-
-def _cmd_generate(a):
-    llm, params = _llm(a), _params(a)
-    for delta in llm.stream(a.prompt, params, raw=a.raw or None): print(delta, end="", flush=True)
-    print()
-    if a.metrics: _print_metrics(llm.generate(a.prompt, params, raw=a.raw or None)[0].metrics)
-
-def _cmd_chat(a):
-    llm, params, history = _llm(a), _params(a), []
-    turns = [a.message] if a.message else None
-    while True:
-        if turns is not None:
-            if not turns: break
-            user = turns.pop(0)
-        else:
-            try: user = input("you> ")
-            except EOFError: break
-            if user.strip() in ("", "/exit", "/quit"): break
-        history.append({"role": "user", "content": user})
-        out = llm.chat(history, params)[0]
-        print(("" if turns is not None else "assistant> ") + out.text, flush=True)
-        if a.metrics: _print_metrics(out.metrics)
-        history.append({"role": "assistant", "content": out.text})
-
-def _cmd_bench(a):
-    from minfer.roofline import measure_bandwidth
-    llm = _llm(a)
-    params = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True)
-    llm.generate(a.prompt, SamplingParams(max_tokens=4), raw=True)  # warm-up
-    m = llm.generate(a.prompt, params, raw=True)[0].metrics
-    bw = measure_bandwidth(device=llm.device)
-    ctx = m["num_prompt_tokens"] + a.max_tokens // 2
-    bpt = decode_bytes_per_token(llm.model_config, llm.dtype, ctx)
-    floor = bw / bpt
-    print(f"{llm!r}\ndecode {1/m['tpot']:.1f} tok/s (TPOT {m['tpot']*1e3:.1f} ms), TTFT {m['ttft']*1e3:.0f} ms; "
-          f"bandwidth floor {floor:.1f} tok/s ({bw/1e9:.1f} GB/s / {bpt/1e6:.0f} MB per token)")
-    parts = decode_breakdown(llm, a.prompt, a.max_tokens)
-    print("where a step goes (ms/token): " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()))
-
-def _cmd_quantize(a):
-    out = quantize_folder(check_model_folder(a.src), a.dst, method=a.method, group_size=a.group_size,
-                          log=lambda line: print(line, file=sys.stderr))
-    print(f"wrote {out}: load it with LLM({str(out)!r}) or minfer generate --model {out}")
-
-def main(argv=None):
-    "The `minfer` command line."
-    ap = argparse.ArgumentParser(prog="minfer", description="minfer: a small, readable LLM inference engine")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    g = sub.add_parser("generate", help="complete a prompt"); g.add_argument("prompt"); _add_common(g); _raw_flag(g)
-    c = sub.add_parser("chat", help="chat with the model (interactive unless --message)"); c.add_argument("--message", default=None); _add_common(c)
-    b = sub.add_parser("bench", help="decode speed next to the bandwidth floor, and where a step's time goes"); b.add_argument("--prompt", default="Once upon a time"); _add_common(b)
-    b.set_defaults(max_tokens=128)
-    q = sub.add_parser("quantize", help="write an AWQ (or round-to-nearest) int4 copy of a model folder (chapter 08)")
-    q.add_argument("src", help="Hugging Face model folder to quantize")
-    q.add_argument("dst", help="folder to write, in AutoAWQ's GEMM format")
-    q.add_argument("--method", default="awq", choices=("awq", "rtn"), help="AWQ's scale search, or plain rounding")
-    q.add_argument("--group-size", type=int, default=64, help="inputs per scale and zero point (576 = 9 x 64)")
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with a chat page at / (chapter 07b)")
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["serve"]:  # fastapi's import costs ~0.6 s: only for the command that needs it
-        from minfer.serve import add_serve_args
-        add_serve_args(s)
-    a = ap.parse_args(argv)
-    if a.cmd == "serve":
-        from minfer.serve import serve_main
-        return serve_main(a)  # its own one-line errors and exit status
-    try:
-        {"generate": _cmd_generate, "chat": _cmd_chat, "bench": _cmd_bench, "quantize": _cmd_quantize}[a.cmd](a)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"minfer: error: {e}", file=sys.stderr)
-        return 2
-    return 0

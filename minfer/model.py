@@ -8,7 +8,7 @@ Docs: https://minfer.github.io/minfer/model.html.md"""
 __all__ = ['DTYPES', 'GGUF_PACKAGE', 'GGUF_FILE', 'WEIGHT_FORMATS', 'unpermute_rope', 'find_default_gguf', 'convert_gguf',
            'data_dir', 'default_model_dir', 'ModelConfig', 'check_model_folder', 'Tokenizer', 'RMSNorm',
            'RotaryEmbedding', 'Attention', 'MLP', 'DecoderLayer', 'Llama', 'load_model', 'attend', 'NoCache',
-           'PackedLinear', 'can_pack', 'pack_weights', 'WeightFormat', 'register_weight_format', 'weight_format']
+           'PackedLinear', 'can_pack', 'pack_weights', 'WeightFormat', 'Registry', 'register_weight_format']
 
 # %% ../nbs/00a_model.ipynb #afc2d4da
 import json, math, os
@@ -299,7 +299,7 @@ def load_model(folder, dtype="float32", device="cpu", weights="plain"):
     """Load a Llama-family model from a Hugging Face folder. dtype: float32, bfloat16 or float16.
     weights: a name in `WEIGHT_FORMATS` (defined below): how the projections are held and multiplied."""
     if dtype not in DTYPES: raise ValueError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
-    if weights != "plain": return weight_format(weights).load(folder, dtype, device)
+    if weights != "plain": return WEIGHT_FORMATS[weights].load(folder, dtype, device)
     cfg = ModelConfig.from_folder(folder)
     with torch.device("meta"): model = Llama(cfg)
     sd = {}
@@ -386,7 +386,8 @@ class WeightFormat:
     decode step streams per projection weight (the ledger's count); `refuses(dtype, device)`: why it cannot run there
     (one line), or None; `detect(folder)`: whether a folder is stored in this format (so `weights="auto"` picks it);
     `plain_weights`: whether the model keeps plain [out, in] matrices in its dtype (05c's one-call step reads them);
-    `step_weights`: whether its projections give 05c's 4-bit layout instead (`q4_weights()`, the step reads it too)."""
+    `step_weights`: whether its projections give 05c's 4-bit layout instead (`q4_weights()`, the step reads it too);
+    `stored`: whether it loads only from a folder saved in it (`detect` says which), not from plain weights."""
     name: str
     load: Callable
     bits: Callable
@@ -394,21 +395,27 @@ class WeightFormat:
     detect: Callable = lambda folder: False
     plain_weights: bool = True
     step_weights: bool = False
+    stored: bool = False
     dtype: str | None = None  # the dtype `dtype="auto"` picks for it, where it has one that runs fastest
     about: str = ""
 
-WEIGHT_FORMATS = {}
+class Registry(dict):
+    """An extension point: name -> entry. The chapter that teaches a mechanism makes its registry; each later chapter
+    that brings another kind of it adds an entry (`REGISTRY[name] = entry`), so the engine picks entries by name
+    without importing the chapters that come after it. Looking up a name it lacks raises one line naming the entries."""
+    def __init__(self, switch):
+        super().__init__()
+        self.switch = switch  # what a user sets to pick an entry (`weights`, `attention`, ...), for that line
+
+    def __missing__(self, name):
+        raise ValueError(f"{self.switch}={name!r} is not supported; allowed: {', '.join(map(repr, self))}")
+
+WEIGHT_FORMATS = Registry("weights")
 
 def register_weight_format(fmt):
     "Add (or replace) an entry of `WEIGHT_FORMATS`; a chapter that brings a new format calls this."
     WEIGHT_FORMATS[fmt.name] = fmt
     return fmt
-
-def weight_format(name):
-    "The `WEIGHT_FORMATS` entry called `name`, or one line naming the ones there are."
-    if name not in WEIGHT_FORMATS:
-        raise ValueError(f"weights={name!r} is not supported; allowed: {', '.join(map(repr, WEIGHT_FORMATS))}")
-    return WEIGHT_FORMATS[name]
 
 def _dtype_bits(dtype): return 8 * DTYPES[dtype].itemsize
 

@@ -14,7 +14,8 @@ from types import SimpleNamespace
 import pytest, torch
 if not torch.cuda.is_available(): os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-from minfer.kvquant import (KV_FORMATS, QuantizedKVCache, Int4KVCache, kv_cache_from_budget, kv_quality, kv_token_bytes,
+from minfer.paged import KV_FORMATS, kv_cache_from_budget, kv_token_bytes
+from minfer.kvquant import (QuantizedKVCache, Int4KVCache, kv_quality,
                             kv_logprobs, pack_int4, unpack_int4)
 from minfer.paged import PagedKVCache, PagedAttention, BlockTable, build_batch_meta
 from minfer.model import attend

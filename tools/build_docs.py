@@ -292,28 +292,30 @@ WORKSHOP_PLANS = [
                             "curves"),
         (15, [], "break"),
         (40, ["03", "04"], "paging and sharing: block tables, then the radix prefix cache"),
-        (45, ["08a", "08b"], "continuous batching: the scheduler's budget, then the engine's static-vs-continuous "
+        (45, ["06a", "06b"], "continuous batching: the scheduler's budget, then the engine's static-vs-continuous "
                              "measurement (show the stored outputs where laptops are slow)"),
-        (20, ["11"], "everything as switches: `LLM`, `minfer generate` and `minfer bench` with a switch off and on"),
+        (20, ["07a", "07c"], "everything as switches: `LLM`, `minfer generate` and `minfer bench` with a switch off and "
+                             "on"),
     ]),
-    ("Full day", "The half day's path plus sampling, FlashAttention, the CPU kernels and the server; one GPU in the "
-                 "room for chapter 05a's measured part, if there is one.", [
+    ("Full day", "The engine of part I end to end, then the attacks of part II; one GPU in the room for chapter 05a's "
+                 "measured part, if there is one.", [
         (30, ["00a", "00b"], "what a model is and why decode is memory-bound"),
         (40, ["01", "02a"], "recompute against cache"),
         (30, ["02b", "02c", "02d"], "sampling, the `Sequence` and a first engine"),
         (15, [], "break"),
         (40, ["03", "04"], "paging and sharing"),
-        (50, ["05"], "FlashAttention: the online softmax in PyTorch, then the Triton kernels (interpreted on a CPU: "
-                     "slow, keep shapes small; compiled and measured on a GPU)"),
+        (50, ["05a"], "FlashAttention: the online softmax in PyTorch, then the Triton kernels (interpreted on a CPU: "
+                      "slow, keep shapes small; compiled and measured on a GPU)"),
         (45, [], "lunch"),
         (50, ["05b", "05c"], "the CPU's answer: C++ kernels, a matvec at the memory's pace, one call per decode step"),
-        (25, ["06"], "fewer bytes per weight: INT4 weights with AWQ's scales, and what they cost in perplexity"),
-        (20, ["07"], "fewer bytes per cached token: a quantized KV cache"),
-        (45, ["08a", "08b"], "continuous batching: scheduler and engine"),
+        (45, ["06a", "06b"], "continuous batching: scheduler and engine"),
+        (40, ["07a", "07b", "07c"], "the API, the HTTP server and the command line; students benchmark their own "
+                                    "machine"),
         (15, [], "break"),
-        (25, ["09"], "more tokens per weight read: speculative decoding"),
-        (20, ["10"], "prefill and decode apart: the prefill/decode split"),
-        (40, ["11", "12"], "the API, the CLI and the HTTP server; students benchmark their own machine"),
+        (25, ["08"], "fewer bytes per weight: INT4 weights with AWQ's scales, and what they cost in perplexity"),
+        (20, ["09"], "fewer bytes per cached token: a quantized KV cache"),
+        (25, ["10"], "more tokens per weight read: speculative decoding"),
+        (20, ["11"], "prefill and decode apart: the prefill/decode split"),
     ]),
 ]
 
