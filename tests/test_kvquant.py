@@ -88,7 +88,7 @@ def test_copy_on_write_and_transfers_move_codes_and_scales(kv_dtype):
     (dict(kv_dtype="int8", kernels="step"), "kernels='step' reads K/V in the model's dtype"),
     (dict(kv_dtype="fp8", attention="cpu"), "attention='cpu' does not read kv_dtype='fp8'"),
     (dict(kv_dtype="fp8", kv="contiguous", kernels="cpu"), "needs kv='paged'"),
-    (dict(kv_dtype="float16"), "stored in the model's dtype"),
+    (dict(kv_dtype="float16", dtype="float32"), "stored in the model's dtype"),
     (dict(kv_dtype="int3"), "kv_dtype='int3' is not supported"),
     (dict(kv_dtype="int4", attention="cpu"), "attention='cpu' does not read kv_dtype='int4'"),
     (dict(kv_dtype="int4", kernels="step"), "kernels='step' reads K/V in the model's dtype"),
