@@ -59,7 +59,9 @@ def prefill_then_decode(model, prompts, steps, bs=8, seed=0, feed=None):
             for t in tables: t.append_slots(1)
             attn.meta = build_batch_meta([(t, t.num_tokens - 1, 1) for t in tables], bs)
             logits = model(torch.tensor(nxt), torch.tensor([t.num_tokens - 1 for t in tables]), attn, logits_rows=torch.arange(len(tables)))
-            out.append(logits); fed.append(nxt); nxt = logits.argmax(-1).tolist()
+            out.append(logits)
+            fed.append(nxt)
+            nxt = logits.argmax(-1).tolist()
     return torch.stack(out), torch.tensor(fed), cache.k, cache.v
 
 def step_model(model_dir, dtype):

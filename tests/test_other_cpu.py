@@ -5,7 +5,8 @@ and MKL's instruction sets). On a CPU without AVX-512 the native build already i
 
 The four variables are honoured: ATen reports its capability (checked in the subprocess), oneDNN prints its ISA with
 `ONEDNN_VERBOSE=1` ("Intel AVX2" instead of "AVX-512 with ... bfloat16 support"), and the C++ build's macros are checked
-below. MKL reads `MKL_ENABLE_INSTRUCTIONS` on Intel CPUs; on AMD it takes its AVX2 code paths in any case."""
+below. MKL reads `MKL_ENABLE_INSTRUCTIONS` on Intel CPUs; on AMD ones it dispatches by rules of its own (it reports a
+non-Intel CPU on the AMD EPYC here), so that variable matters on the Xeons."""
 import ctypes, os, subprocess, sys
 from pathlib import Path
 import pytest, torch
@@ -36,7 +37,7 @@ def built_with_avx512(out_dir):
 
 @pytest.mark.skipif(not cpu_kernels_available(), reason="no C++ compiler")
 def test_the_switch_builds_without_avx512(tmp_path, monkeypatch):
-    "MINFER_NO_AVX512=1 compiles without AVX-512 (a build of its own); without it, -march=native uses it if the CPU has it."
+    "MINFER_NO_AVX512=1 builds without AVX-512 (a library of its own); without it, -march=native uses AVX-512 if any."
     monkeypatch.setenv("MINFER_NO_AVX512", "1")
     assert not built_with_avx512(tmp_path)
     monkeypatch.delenv("MINFER_NO_AVX512")
