@@ -236,8 +236,11 @@ def _cpu_features():
 
 def build_cpu_kernels(source=None, out_dir=None, flags=CXX_FLAGS):
     """Compile `source` (default: `CPU_KERNELS_SOURCE`) with `flags` into a shared library, once: the file is named by a hash of the
-    source, compiler, flags and CPU, so a later call (or process) finds it. Returns its path."""
+    source, compiler, flags and CPU, so a later call (or process) finds it. With `MINFER_NO_AVX512=1` in the environment
+    it adds `-mno-avx512f` (the build an AVX2-only CPU gets). Returns its path."""
     source = CPU_KERNELS_SOURCE if source is None else source
+    # MINFER_NO_AVX512=1 builds what a CPU without AVX-512 runs, so that a machine with it can test those paths too
+    if os.environ.get("MINFER_NO_AVX512") == "1": flags = (*flags, "-mno-avx512f")
     cxx = cxx_compiler()
     if cxx is None: raise RuntimeError(f"no C++ compiler found (looked for {os.environ.get('CXX', 'c++')!r} on PATH); install g++ or clang++, or use kernels='torch'")
     key = hashlib.sha256("\n".join([source, cxx, *flags, _cpu_features()]).encode()).hexdigest()[:16]

@@ -1,6 +1,6 @@
 """Chapter 08's int4 weights inside chapter 05c's one-call decode step: the 4-bit matvec against the dequantising
 reference (`dequantize_awq`, AutoAWQ's definition of the weight), each CPU instruction set's path of it, and the whole
-step against the modules' path (the dequantising reference in fp32, PyTorch's CPU int4 kernel in bf16)."""
+step and the modules' path (PyTorch's CPU int4 kernel in bf16) against the dequantising reference in fp32."""
 import platform
 import pytest, torch
 import torch.nn.functional as F
@@ -11,9 +11,29 @@ from minfer.cpu_step import (pack_q4, matvec_q4, fuse_decode_step, cpu_step_avai
 from minfer.cpu_kernels import fuse_cpu_ops, build_cpu_kernels, load_kernels, FUSED_MAX_ROWS
 from minfer.llm import LLM
 from minfer.sampling import SamplingParams
+from minfer.kvcache import cached_generate
+from minfer.model import NoCache
 from test_cpu_step import prefill_then_decode, SHORT
+from lossy import assert_near_fp32, assert_kv_near_fp32, first_divergence_is_near_tie, bound
 
 pytestmark = pytest.mark.skipif(not cpu_step_available(), reason="no C++ compiler with OpenMP to build the step kernels")
+
+
+def forward(model, ids):
+    "The logits of every position of `ids`, no cache."
+    with torch.inference_mode(): return model(torch.tensor(ids), torch.arange(len(ids)), NoCache())
+
+
+def dequantized(model):
+    """`model` (int4, fp32) with each AWQLinear swapped for a Linear holding its dequantised weight: the products of
+    `AWQLinear.reference` (the fp32 reference), without dequantising the weights again at every call."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, AWQLinear):
+                linear = torch.nn.Linear(child.in_features, child.out_features, bias=False)
+                linear.weight = torch.nn.Parameter(child.dequantize(), requires_grad=False)
+                setattr(parent, name, linear)
+    return model
 
 
 def random_awq(n_out, n_in, group_size, seed=0):
@@ -91,28 +111,48 @@ def rtn_folder(tmp_path_factory, model_dir):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_int4_step_matches_the_modules(rtn_folder, tokenizer, dtype):
-    """Three decode steps of three sequences, one call each, against the modules over the same pool: fp32 (the
-    modules dequantise, then F.linear) within float rounding; bf16 (the modules run PyTorch's CPU int4 kernel, which
-    keeps the fp16 scales rounded to bf16, where the step uses them exactly) the same tokens, logits within 8 bf16
-    ulps of the largest (0.52 measured here, 4 ulps, over 30 layers of bf16 activations)."""
+    """Three decode steps of three sequences, one call each, every path fed the greedy tokens of the fp32 reference (the
+    modules with the dequantised weights: F.linear) over the same pool. fp32: the step within float rounding of it. bf16
+    (contract 4; `lossy` explains the bounds): the step and the modules (PyTorch's CPU int4 kernel, which keeps the
+    fp16 scales rounded to bf16, where the step uses them exactly) each against fp32, never against each other. Logits
+    within E = 8 bf16 eps of the largest |logit| (measured on AMD EPYC, AVX-512: step 2.9, modules 3.8; AVX2 stand-in:
+    2.9, 2.4); logits minus that of fp32's top token within D = 5 (2.3, 2.3; 2.2, 2.4), so the argmax is fp32's in the
+    4 of these 9 rows whose fp32 top-2 gap exceeds D (1.3). 5 rows are near-ties (gaps 0.06 to 0.24); at two or three
+    of them the bf16 paths pick another token than fp32, which ones depending on the path and the CPU. K/V in fp32's
+    slots, each vector within 2**-5 of its length in layer 0 and 2**-1 in every layer (measured 0.010 and 0.20)."""
     prompts = [tokenizer.encode(t) for t in SHORT]
-    step = fuse_decode_step(fuse_cpu_ops(load_awq_model(rtn_folder, dtype)))
+    modules = lambda dt: fuse_cpu_ops(load_awq_model(rtn_folder, dt))
+    reference = fuse_cpu_ops(dequantized(load_awq_model(rtn_folder, "float32")))
+    want, fed, k_want, v_want = prefill_then_decode(reference, prompts, steps=3)
+    step = fuse_decode_step(modules(dtype))
     assert step.group_size == 64
     step.timings = torch.zeros(5, dtype=torch.float64)
-    ops = fuse_cpu_ops(load_awq_model(rtn_folder, dtype))
-    got, k_got, _, _ = prefill_then_decode(step, prompts, steps=3)
-    want, k_want, _, _ = prefill_then_decode(ops, prompts, steps=3)
+    got, _, k_got, v_got = prefill_then_decode(step, prompts, steps=3, feed=fed)
     assert step.timings.sum() > 0  # the decode steps were the C++ call
-    assert torch.equal(got.argmax(-1), want.argmax(-1))
-    if dtype == "float32": assert (got - want).abs().max() <= 1e-3 and torch.allclose(k_got, k_want, atol=1e-4)
-    else: assert (got - want).abs().max() <= 8 * 2.0 ** (torch.floor(torch.log2(want.abs().max())) - 7)
+    if dtype == "float32":
+        assert (got - want).abs().max() <= 1e-3 and torch.allclose(k_got, k_want, atol=1e-4)
+        return
+    ops, _, k_ops, v_ops = prefill_then_decode(modules(dtype), prompts, steps=3, feed=fed)
+    for what, logits, k, v in (("step", got, k_got, v_got), ("modules", ops, k_ops, v_ops)):
+        assert_near_fp32(logits, want, 8, 5, f"bf16 {what}")
+        assert_kv_near_fp32(k, k_want, f"bf16 {what}, K")
+        assert_kv_near_fp32(v, v_want, f"bf16 {what}, V")
 
 
 def test_llm_picks_the_int4_step(rtn_folder):
-    "LLM(awq folder) resolves kernels='step' by itself and gives the greedy tokens of kernels='cpu' (the modules)."
+    """LLM(awq folder) resolves kernels='step' by itself, in bf16. Its greedy tokens and those of kernels='cpu' (the
+    modules, PyTorch's int4 kernel) are each the fp32 reference's (the folder's dequantised weights in fp32), or first
+    differ where fp32's top-2 gap is below D = 8 bf16 eps of that position's largest |logit| (`lossy`; per position,
+    the teacher-forced tests measured up to 4.1 of them). On AMD EPYC, AVX-512, and on the AVX2 stand-in both
+    paths gave fp32's 12 tokens for each of the three chat prompts, through near-ties down to a gap of 0.14."""
     llm = LLM(rtn_folder)
     assert (llm.weights, llm.dtype, llm.kernels) == ("awq-int4", "bfloat16", "step")
-    prompts, params = SHORT, SamplingParams(max_tokens=12)
-    got = [o.token_ids for o in llm.generate(prompts, params)]
-    want = [o.token_ids for o in LLM(rtn_folder, kernels="cpu").generate(prompts, params)]
-    assert got == want
+    reference = dequantized(load_awq_model(rtn_folder, "float32"))
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    for kernels, engine in (("step", llm), ("cpu", LLM(rtn_folder, kernels="cpu"))):
+        for text, out in zip(SHORT, engine.generate(SHORT, params)):
+            ids = out.prompt_token_ids  # the chat template's
+            want = cached_generate(reference, ids, 12)
+            after = lambda prefix: forward(reference, ids + prefix)[-1]
+            ok, where = first_divergence_is_near_tie(out.token_ids, want, after, lambda logits: bound(logits, 8))
+            assert ok, (kernels, text, where)

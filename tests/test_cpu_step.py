@@ -11,6 +11,7 @@ from minfer.model import Llama, load_model, pack_weights
 from minfer.paged import PagedKVCache, PagedAttention, BlockTable, build_batch_meta
 from minfer.llm import LLM
 from minfer.sampling import SamplingParams
+from lossy import assert_near_fp32, assert_kv_near_fp32
 
 pytestmark = pytest.mark.skipif(not cpu_step_available(), reason="no C++ compiler with OpenMP to build the step kernels")
 LONG = " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog while counting sheep." for i in range(40))
@@ -39,24 +40,29 @@ def test_matvec_refuses_bad_input_with_one_line():
         assert "\n" not in str(e.value) and word in str(e.value)
     assert torch.allclose(matvec(w, x), F.linear(x, w), rtol=1e-5, atol=1e-5)  # still usable
 
-def prefill_then_decode(model, prompts, steps, bs=8, seed=0):
-    """Prefill `prompts` (token ids) into a pool with a shuffled free list, then `steps` greedy decode steps of all of
-    them together: (logits of every decode step [steps, batch, vocab], the pool's k, v, the attention object)."""
+def prefill_then_decode(model, prompts, steps, bs=8, seed=0, feed=None):
+    """Prefill `prompts` (token ids) into a pool with a shuffled free list, then `steps` decode steps of all of them
+    together, fed their greedy tokens or, with `feed` [steps, batch], those (teacher forcing: another model's tokens, so
+    that two models see the same inputs): (logits of every decode step [steps, batch, vocab], the tokens fed
+    [steps, batch], the pool's k, v)."""
     nb = sum(-(-(len(p) + steps) // bs) for p in prompts) + 4
     cache = PagedKVCache(model.cfg, nb, bs, model.dtype)
     cache.allocator.free_ids = collections.deque(torch.randperm(nb, generator=torch.Generator().manual_seed(seed)).tolist())
-    attn, tables, nxt, out = CpuAttention(cache), [], [], []
+    attn, tables, nxt, out, fed = CpuAttention(cache), [], [], [], []
     with torch.inference_mode():
         for ids in prompts:
             t = BlockTable(cache.allocator); t.append_slots(len(ids)); tables.append(t)
             attn.meta = build_batch_meta([(t, 0, len(ids))], bs)
             nxt.append(int(model(torch.tensor(ids), torch.arange(len(ids)), attn, logits_rows=torch.tensor([len(ids) - 1]))[0].argmax()))
-        for _ in range(steps):
+        for i in range(steps):
+            if feed is not None: nxt = feed[i].tolist()
             for t in tables: t.append_slots(1)
             attn.meta = build_batch_meta([(t, t.num_tokens - 1, 1) for t in tables], bs)
             logits = model(torch.tensor(nxt), torch.tensor([t.num_tokens - 1 for t in tables]), attn, logits_rows=torch.arange(len(tables)))
-            out.append(logits); nxt = logits.argmax(-1).tolist()
-    return torch.stack(out), cache.k, cache.v, attn
+            out.append(logits)
+            fed.append(nxt)
+            nxt = logits.argmax(-1).tolist()
+    return torch.stack(out), torch.tensor(fed), cache.k, cache.v
 
 def step_model(model_dir, dtype):
     model = fuse_decode_step(fuse_cpu_ops(load_model(model_dir, dtype)))
@@ -80,22 +86,27 @@ def test_one_call_matches_transformers_fp32(model_dir, tokenizer):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_one_call_matches_chapter_05b_over_several_steps(model_dir, tokenizer, dtype):
-    """Three decode steps of three sequences: the same logits and the same K/V in the pool as chapter 05b's modules
-    (fp32: float rounding; bf16: the matvecs sum in another order, so a rounding of the logits, and the same tokens)."""
+    """Three decode steps of three sequences, every path fed the greedy tokens of chapter 05b's fp32 modules (teacher
+    forcing: the same inputs everywhere). fp32: the step's logits and K/V within float rounding of the modules'. bf16
+    (contract 4; `lossy` explains the bounds): the step and chapter 05b's bf16 modules each against fp32, never against
+    each other. Logits within E = 8 bf16 eps of the largest |logit| (measured on AMD EPYC, AVX-512: step 3.2, modules
+    1.5; AVX2 stand-in: 1.6, 1.6); logits minus that of fp32's top token within D = 5 (2.4, 1.8; 2.0, 1.5), so the
+    argmax is fp32's in the 2 of these 9 rows whose fp32 top-2 gap exceeds D (1.5); 4 rows are near-ties, gaps 0.07 to
+    0.47, that a bf16 path may break either way. K/V in fp32's slots, each vector within 2**-5 of its length in layer
+    0 and 2**-1 in every layer (measured 0.007 and 0.16 on both)."""
     prompts = [tokenizer.encode(t) for t in SHORT]  # short: a bf16 prefill of hundreds of tokens is slow on a CPU
+    want, fed, k_want, v_want = prefill_then_decode(fuse_cpu_ops(load_model(model_dir)), prompts, steps=3)
     step = step_model(model_dir, dtype)
-    ops = fuse_cpu_ops(load_model(model_dir, dtype))
-    got, k_got, v_got, _ = prefill_then_decode(step, prompts, steps=3)
-    want, k_want, v_want, _ = prefill_then_decode(ops, prompts, steps=3)
-    assert step.timings.sum() > 0
+    got, _, k_got, v_got = prefill_then_decode(step, prompts, steps=3, feed=fed)
+    assert step.timings.sum() > 0  # the decode steps were the C++ call
     if dtype == "float32":
         assert (got - want).abs().max() <= 1e-4 and torch.allclose(k_got, k_want, atol=1e-4) and torch.allclose(v_got, v_want, atol=1e-4)
-    else:
-        assert torch.equal(got.argmax(-1), want.argmax(-1)) and (got - want).abs().max() <= 0.5
-        for got_pool, want_pool in ((k_got, k_want), (v_got, v_want)):
-            written = (got_pool != 0) | (want_pool != 0)  # the rest of both pools is still zero; a K/V in the wrong slot fails here
-            close = (got_pool - want_pool).abs() <= want_pool.abs() * 2**-6 + 0.02
-            assert close[written].float().mean() > 0.99
+        return
+    ops, _, k_ops, v_ops = prefill_then_decode(fuse_cpu_ops(load_model(model_dir, dtype)), prompts, steps=3, feed=fed)
+    for what, logits, k, v in (("step", got, k_got, v_got), ("modules", ops, k_ops, v_ops)):
+        assert_near_fp32(logits, want, 8, 5, f"bf16 {what}")
+        assert_kv_near_fp32(k, k_want, f"bf16 {what}, K")
+        assert_kv_near_fp32(v, v_want, f"bf16 {what}, V")
 
 def test_steps_it_cannot_take_run_the_modules(model_dir, tokenizer):
     "Prefills, steps over the row limit and other attentions go through the modules: chapter 05b's numbers exactly."

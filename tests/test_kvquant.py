@@ -364,14 +364,20 @@ def test_int4_paged_attention_equals_the_position_rule_reference(chunks, dtype, 
 
 def test_int4_log_probs_do_not_depend_on_chunking(model, tokenizer):
     """The rule makes the KV a function of positions: whole prompt, chunks and decode agree up to float summation order,
-    which can still move an element across a code boundary. Measured on this text: 0.09 (chunks of 7) and 0.36 (one
-    token at a time) at most, int8 0.28 and 0.38; with `attend_chunk` removed (each query reading blocks as complete
-    as the store left them) 4.9, and 5% of the top tokens change."""
+    which can still move an element across a code boundary. Measured on this text: 0.34 (chunks of 7) and 0.35 (one
+    token at a time) at most on AMD EPYC, AVX-512, 0.09 and 0.37 on the AVX2 stand-in, int8 0.28 and 0.38; with
+    `attend_chunk` removed (each query reading blocks as complete as the store left them) 4.9, and 5% of the top tokens
+    change. The reference is the same int4 format, not fp32 KV: what is checked is that chunking does not change what is
+    stored or read, and int4's own error (KL 0.0055 against fp32 KV) would hide that. Log-probs within 0.6 of each
+    other give top tokens within 1.2, so the argmax must agree where the whole prompt's top-2 gap exceeds 1.2 (31 of
+    these 40 positions; the smallest gap is 0.06)."""
     ids = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)[:45]
     runs = {c: kv_logprobs(model, ids, "int4", chunk=c) for c in (45, 7, 1)}
+    top2 = runs[45].topk(2, -1).values
+    clear = top2[:, 0] - top2[:, 1] > 2 * 0.6
     for c in (7, 1):
         assert (runs[c] - runs[45]).abs().max() < 0.6
-        assert torch.equal(runs[c].argmax(-1), runs[45].argmax(-1))
+        assert torch.equal(runs[c].argmax(-1)[clear], runs[45].argmax(-1)[clear])
 
 
 def test_engine_runs_int4_and_answers_paris(model_dir):

@@ -1,6 +1,7 @@
 "Correctness contract 1: minfer.model logits == transformers' LlamaForCausalLM on the same folder, fp32, max abs <= 1e-4."
 import pytest, torch
 from minfer.model import NoCache, find_default_gguf, load_model, default_model_dir
+from lossy import assert_near_fp32
 
 LONG = " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog while counting sheep." for i in range(40))
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:", "1, 1, 2, 3, 5, 8,", LONG]
@@ -53,16 +54,24 @@ def test_tokenizer_matches_gguf_tokenizer(tokenizer):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_low_precision_close_to_fp32(model_dir, tokenizer, model, dtype):
-    "bf16/fp16 weights give the same next-token ranking head as fp32 on a plain prompt (loose: these are lossy)."
+    """bf16/fp16 weights and activations against fp32 on a plain prompt's next token (contract 4, `lossy`): logits
+    within E = 8 bf16 eps of the largest |logit| (19.8), logits minus that of fp32's top token within D = 5 (measured
+    in bf16 2.2 and 2.2 on AMD EPYC, AVX-512, 3.3 and 2.4 on the AVX2 stand-in; fp16 0.5 and 0.5 on both). fp32's
+    top-2 gap here, 2.48, exceeds D (0.77), so the argmax must be fp32's."""
     low = load_model(model_dir, dtype)
     ids = tokenizer.encode("The capital of France is")
     a, b = ours(model, ids)[-1], ours(low, ids)[-1]
-    assert b.dtype == torch.float32 and a.argmax() == b.argmax()
-    assert (a - b).abs().max().item() < 1.0
+    assert b.dtype == torch.float32
+    *_, clear = assert_near_fp32(b, a, 8, 5, dtype)
+    assert clear  # the argmax was checked
 
 def test_packed_bf16_wide_steps_are_fp32_arithmetic_on_bf16_weights(model_dir, tokenizer):
     """A packed bf16 model runs forwards of several tokens in fp32 activations (chapter 00a's `wide_dtype`): its logits
-    are those of an fp32 model holding the same bf16-rounded weights; a single token still runs in bf16."""
+    are those of an fp32 model holding the same bf16-rounded weights; a single token still runs in bf16. That one is
+    lossy: against the fp32 arithmetic (contract 4, `lossy`), its logits within E = 24 bf16 eps of the largest |logit|,
+    logits minus that of fp32's top token within D = 12 (measured 11.6 and 5.5 on AMD EPYC, AVX-512, 8.9 and 4.2 on
+    the AVX2 stand-in: position 0, the first token, carries the residual stream's largest values, which bf16 rounds
+    most coarsely). fp32's top-2 gap there is 0.99, below D, so its argmax may differ."""
     from minfer.model import can_pack, pack_weights
     if not can_pack("bfloat16", "cpu"): pytest.skip("oneDNN is not available")
     low = pack_weights(load_model(model_dir, "bfloat16"))
@@ -73,4 +82,5 @@ def test_packed_bf16_wide_steps_are_fp32_arithmetic_on_bf16_weights(model_dir, t
     assert low.wide_dtype == torch.float32 and widened.wide_dtype is None
     assert torch.equal(ours(low, ids), ours(widened, ids))
     one = ours(low, ids[:1])  # one token: bf16 activations and the half-size bf16 weights, a rounding away
-    assert not torch.equal(one, ours(widened, ids[:1])) and one.argmax() == ours(widened, ids[:1]).argmax()
+    assert not torch.equal(one, ours(widened, ids[:1]))
+    assert_near_fp32(one, ours(widened, ids[:1]), 24, 12, "one token")
