@@ -34,7 +34,7 @@ KV_DTYPES = ["auto", "int8", "fp8", "int4"]
 # (blocks of 4; fp8's largest there was 0.19)
 # Contract 4 compares a lossy path with fp32, but not here, on purpose: these tests check that batching, chunking,
 # preemption, prefix hits and forks store and read each sequence's KV as its solo run does. Against fp32 KV, each
-# format's own error would dominate (chapter 07: fp8's greedy runs part from fp32's after 23 to 256 tokens) and hide
+# format's own error would dominate (chapter 09: fp8's greedy runs part from fp32's after 23 to 256 tokens) and hide
 # such a bug. Both sides hold the same format over the same fp32 model and differ by summation order only, so the gaps
 # below bound what a code flip can do to a divergence; they held on AMD EPYC with AVX-512 and on the AVX2 stand-in.
 NEAR_TIE = {"auto": 1e-3, "int8": 0.05, "fp8": 0.25, "int4": 0.25}
