@@ -334,21 +334,24 @@ class FusedRMSNorm(RMSNorm):
 class FusedAttention(Attention):
     "`Attention` with RoPE turned in place on the q and k heads by one kernel call."
     def forward(self, x, cos, sin, layer, attention):
-        if x.shape[0] > FUSED_MAX_ROWS: return super().forward(x, cos, sin, layer, attention)
+        # the kernel turns whole heads of unnormalised q and k: other layers (chapter 12a's families) run 00a's code
+        plain = self.q_norm is None and self.q_scale is None and cos is not None and cos.shape[-1] == self.d
+        if x.shape[0] > FUSED_MAX_ROWS or not plain: return super().forward(x, cos, sin, layer, attention)
         T, nq, nkv = x.shape[0], self.n_q, self.n_kv
         qkv = rope_(self.qkv_proj(x).view(T, nq + 2 * nkv, self.d), cos, sin, nq + nkv)
-        o = attention(layer, qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:])
+        o = attention(layer, qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:], **self.attn_kwargs)
         return self.o_proj(o.reshape(T, nq * self.d))
 
 class FusedMLP(MLP):
     "`MLP` with silu(gate) * up in one kernel call."
     def forward(self, x):
-        if x.shape[0] > FUSED_MAX_ROWS: return super().forward(x)
+        if x.shape[0] > FUSED_MAX_ROWS or self.act is not F.silu: return super().forward(x)  # GeGLU: 00a's code
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 class FusedDecoderLayer(DecoderLayer):
     "`DecoderLayer` whose residual adds happen in place, the first one inside the norm that follows it."
     def forward(self, x, cos, sin, attention):
+        if self.sandwich: return super().forward(x, cos, sin, attention)  # Gemma's norms around attention and MLP
         a = self.self_attn(self.input_layernorm(x), cos, sin, self.layer, attention)
         return x.add_(self.mlp(self.post_attention_layernorm(x, residual=a)))
 
@@ -364,7 +367,7 @@ def fuse_cpu_ops(model):
         raise ValueError(f"fused CPU kernels need float32 or bfloat16 on a CPU with a C++ compiler; this model is {model.dtype} on {model.device}")
     for layer in model.layers:
         for m in (layer, layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm, layer.mlp):
-            m.__class__ = _FUSED[type(m)]
+            if type(m) in _FUSED: m.__class__ = _FUSED[type(m)]  # a mixture of experts (chapter 12b) keeps its own
     model.norm.__class__ = FusedRMSNorm
     return model
 
@@ -374,7 +377,8 @@ class CpuAttention(PagedAttention):
     sequence's blocks in place, in fp32. Prefill chunks and mixed steps use chapter 03's path."""
     devices, dtypes = ("cpu",), ("float32", "bfloat16")  # and a C++ compiler (`can_fuse`)
     kv_dtypes = ("auto", "int8")  # int8: chapter 09's pool, read by `paged_decode_q8`
-    def __call__(self, layer, q, k, v):
+    def __call__(self, layer, q, k, v, **window_softcap):
+        if window_softcap: return super().__call__(layer, q, k, v, **window_softcap)  # chapter 03's path (12a)
         m, (k_pool, v_pool) = self.meta, (self.cache.k[layer], self.cache.v[layer])
         if k_pool.dtype == torch.int8 and m.max_seqlen_q == 1 and q.shape[0] == len(m.seq_lens):
             return self.decode_int8(layer, q.contiguous(), k, v)

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable
 import torch
-from .model import DTYPES, WEIGHT_FORMATS, Registry, load_model, default_model_dir, check_model_folder
+from .model import (DTYPES, WEIGHT_FORMATS, Registry, load_model, default_model_dir, check_model_folder,
+                          ModelConfig)
 from .paged import ATTENTION_BACKENDS, KV_FORMATS, build_batch_meta, kv_cache_from_budget, kv_token_bytes
 from .sequence import Sequence, SamplingParams
 from .sampling import sample_next, add_prompt_logprobs
@@ -24,7 +25,7 @@ from .sequential import SequentialEngine
 from .roofline import Ledger, weight_bytes_per_step
 from .scheduler import Scheduler
 from .cpu_kernels import can_fuse, fuse_cpu_ops, cxx_compiler
-from .cpu_step import can_step, fuse_decode_step
+from .cpu_step import can_step, fuse_decode_step, STEP_RUNS
 
 # %% ../nbs/06b_engine.ipynb #b8b0c001
 def _wants_prompt_rows(seq):
@@ -307,6 +308,21 @@ def _folder_refuses(c):
                 "use weights='plain' or 'packed', or a folder saved as it")
     return None
 
+def _model_config(folder):
+    "The `ModelConfig` of a folder, read once (the rules below ask for it often)."
+    folder = str(folder)
+    if folder not in _MODEL_CONFIGS: _MODEL_CONFIGS[folder] = ModelConfig.from_folder(folder)
+    return _MODEL_CONFIGS[folder]
+_MODEL_CONFIGS = {}
+
+def _not_run(runs, c):
+    """What of the folder's model a path that runs only the behaviours `runs` (None: all) cannot run, as words; or
+    None. Behaviours are chapter 12a's differences from Llama (`ModelConfig.behaviours`)."""
+    if runs is None: return None
+    cfg = _model_config(c.model)
+    other = [b for b in cfg.behaviours() if b not in runs]
+    return f"{cfg.model_type} models' {', '.join(other)}" if other else None
+
 def _no_compiler(): return "" if cxx_compiler() else ", and no C++ compiler is on PATH"
 
 def _attention_refuses(c):
@@ -326,6 +342,14 @@ CONFIG_RULES = [
     Rule(("device",), lambda c: c.device == "cuda" and not torch.cuda.is_available(),
          lambda c: "device='cuda' requested but no CUDA device is available; use device='cpu'"),
     Rule(("weights",), lambda c: _folder_refuses(c) is not None, _folder_refuses),
+    Rule(("weights",), lambda c: _not_run(WEIGHT_FORMATS[c.weights].runs, c) is not None,
+         lambda c: f"weights={c.weights!r} does not run {_not_run(WEIGHT_FORMATS[c.weights].runs, c)}; "
+                   "use weights='plain' or 'packed'"),
+    Rule(("kernels",), lambda c: c.kernels == "step" and _not_run(STEP_RUNS, c) is not None,
+         lambda c: f"kernels='step' does not run {_not_run(STEP_RUNS, c)}; use kernels='cpu' or 'torch'"),
+    Rule(("kv_dtype",), lambda c: c.kv_dtype in KV_FORMATS and _not_run(KV_FORMATS[c.kv_dtype].runs, c) is not None,
+         lambda c: f"kv_dtype={c.kv_dtype!r} does not run {_not_run(KV_FORMATS[c.kv_dtype].runs, c)}; "
+                   "use kv_dtype='int8', 'fp8' or the model's dtype"),
     Rule(("weights", "dtype", "device"), lambda c: WEIGHT_FORMATS[c.weights].refuses(c.dtype, c.device) is not None,
          lambda c: WEIGHT_FORMATS[c.weights].refuses(c.dtype, c.device) + "; use weights='plain'"),
     Rule(("kernels", "dtype", "device"), lambda c: c.kernels == "step" and not can_step(c.dtype, c.device),
@@ -432,6 +456,7 @@ def resolve_config(config):
     the 'auto' fields satisfies: a conflict between values the user set, or with this machine or this folder."""
     config.check_values()
     model = str(check_model_folder(default_model_dir() if config.model is None else config.model))
+    _model_config(model)  # a config.json no family here reads is refused first, in one line
     spec = speculative_config(config.speculative)
     if spec is not None: spec = SPECULATORS[spec.method].resolve(spec, model)  # e.g. the draft model's folder
     prefill_cores, decode_cores = config.prefill_cores, config.decode_cores

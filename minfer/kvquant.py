@@ -27,6 +27,7 @@ class KVFormat:
     name: str
     storage: torch.dtype  # what the codes are stored as
     qmax: float           # the largest code: 127 for int8, 448 for float8_e4m3fn (its largest finite value)
+    runs = None           # every family's behaviours (chapter 12a): windows and soft-caps read it as plain K/V
 
     def quantize(self, x):
         "x [..., head_dim] -> (codes [..., head_dim] of `storage`, scales [...] float32): one scale per vector."
@@ -129,6 +130,9 @@ class KIVIFormat:
     block that is not yet complete at full precision (the residual window)."""
     name: str = "int4"
     group: int = 32  # channels of a value vector sharing a scale and zero (KIVI's group size)
+    # the behaviours of chapter 12a's families it runs: not windows or soft-caps (its prefill reads its own way)
+    runs = ("qkv_bias", "o_bias", "mlp_bias", "qk_norm", "norm_offset", "embed_scale", "hidden_act", "sandwich_norms",
+            "final_softcap", "query_scale", "num_experts", "local_rope", "layer_ropes", "partial_rotary", "longrope")
 
     def group_of(self, head_dim):
         g = min(self.group, head_dim)

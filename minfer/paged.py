@@ -217,16 +217,18 @@ class PagedAttention:
     # kv_dtypes: "auto" is the model's dtype; chapter 09's quantized formats are read through `cache.layer`, dequantized
     devices, dtypes, kv_dtypes = ("cpu", "cuda"), ("float32", "bfloat16", "float16"), ("auto", "int8", "fp8", "int4")
 
-    def __init__(self, cache): self.cache, self._meta, self.plan = cache, None, None
+    def __init__(self, cache): self.cache, self._meta, self.plan, self.window_plans = cache, None, None, {}
 
     @property
     def meta(self): return self._meta
     @meta.setter
-    def meta(self, meta): self._meta, self.plan = meta, None  # the plan is made by the first layer, used by all
+    def meta(self, meta):  # the plans are made by the first layer that needs them, used by all
+        self._meta, self.plan, self.window_plans = meta, None, {}
 
-    def __call__(self, layer, q, k, v):
+    def __call__(self, layer, q, k, v, window=None, softcap=None):
         self.cache.store(layer, self.meta.slot_mapping, k, v)
-        return self.attention(q, *self.cache.layer(layer), self.meta)
+        if window is None and softcap is None: return self.attention(q, *self.cache.layer(layer), self.meta)
+        return self.attention_masked(q, *self.cache.layer(layer), self.meta, window, softcap)
 
     def make_plan(self, meta, bs):
         """Which rows attend to which cache slots — the same in every layer, so worked out once per step.
@@ -274,6 +276,24 @@ class PagedAttention:
             out[r0:r1] = attend(q[r0:r1], take(k_flat, slots).to(q.dtype), take(v_flat, slots).to(q.dtype))
         for rows, slots, mask in decode:
             out.index_copy_(0, rows, decode_group(q.index_select(0, rows), slots, mask).to(q.dtype))
+        return out
+
+    def attention_masked(self, q, k_cache, v_cache, meta, window, softcap):
+        """A layer with a sliding window or a soft-cap (chapter 12a's families), under every backend: each sequence's
+        rows through `attend`, reading only the keys inside the window (positions from n - rows - window + 1 on)."""
+        bs, (h, d) = k_cache.shape[1], k_cache.shape[2:]
+        if window not in self.window_plans:
+            cu, lens, tables = meta.cu_seqlens_q.tolist(), meta.seq_lens.tolist(), meta.block_tables.tolist()
+            plan = []
+            for i, n in enumerate(lens):
+                lo = 0 if window is None else max(0, n - (cu[i + 1] - cu[i]) - window + 1)
+                slots = key_slots(tables[i], n, bs, q.device)
+                plan.append((cu[i], cu[i + 1], slice(slots.start + lo, slots.stop) if isinstance(slots, slice) else slots[lo:]))
+            self.window_plans[window] = plan
+        k_flat, v_flat = k_cache.view(-1, h, d), v_cache.view(-1, h, d)
+        out = torch.empty_like(q)
+        for r0, r1, slots in self.window_plans[window]:
+            out[r0:r1] = attend(q[r0:r1], take(k_flat, slots).to(q.dtype), take(v_flat, slots).to(q.dtype), window, softcap)
         return out
 
 def key_slots(blocks, n, bs, device="cpu"):

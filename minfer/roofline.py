@@ -20,10 +20,14 @@ import torch.nn.functional as F
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "int4": 0.5}
 
 def param_counts(cfg):
-    "Parameters by part: embedding, attention, MLP, norms, LM head (0 when tied to the embedding)."
+    """Parameters by part: embedding, attention, MLP, norms, LM head (0 when tied to the embedding). A mixture of experts
+    (chapter 12b) counts every expert and its router: what a step reads when its tokens touch them all."""
     h, d, L = cfg.hidden_size, cfg.head_dim, cfg.num_hidden_layers
     attn = h * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d + cfg.num_attention_heads * d * h
-    return dict(embedding=cfg.vocab_size * h, attention=L * attn, mlp=L * 3 * h * cfg.intermediate_size,
+    moe = len(getattr(cfg, "moe_layers", ()))
+    mlp = (L - moe) * 3 * h * cfg.intermediate_size
+    if moe: mlp += moe * cfg.num_experts * (3 * h * cfg.moe_intermediate_size + h)
+    return dict(embedding=cfg.vocab_size * h, attention=L * attn, mlp=mlp,
                 norms=(2 * L + 1) * h, lm_head=0 if cfg.tie_word_embeddings else cfg.vocab_size * h)
 
 def weight_bytes_per_step(cfg, dtype="float32", projection_bits=None):
