@@ -12,7 +12,7 @@ __all__ = ['CPU_STEP_SOURCE', 'STEP_CXX_FLAGS', 'STEP_MAX_ROWS', 'STEP_RUNS', 'o
 import ctypes, functools
 from pathlib import Path
 import torch
-from .model import Llama, check_behaviours
+from .model import Llama, check_behaviours, sequence_lengths
 from .paged import PagedAttention
 from .cpu_kernels import CPU_KERNELS_SOURCE, CXX_FLAGS, FUSED_MAX_ROWS, build_cpu_kernels, load_kernels, can_fuse, _kernel
 
@@ -222,6 +222,13 @@ void matvec_q4(const Q4& W, const T* x, T* y, int64_t rows, int64_t n_in, int64_
   }
 }
 
+// y[r, :] += b for rows r < rows (chapter 12a's q/k/v biases), rounded as the model's dtype stores y
+template <typename T>
+static void add_bias(T* y, const T* b, int64_t rows, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < n; ++i) y[r * n + i] = Num<T>::store(Num<T>::load(y[r * n + i]) + Num<T>::load(b[i]));
+}
+
 // The projections' weight formats the step reads: plain [out, in] matrices in the model's dtype, or Q4
 template <typename T> struct DenseWeights {
   static void matvec(const void* W, const T* x, T* y, int64_t rows, int64_t n_in, int64_t n_out, int64_t) {
@@ -236,8 +243,9 @@ template <typename T> struct Q4Weights {
 
 // One decode step of a Llama-family model for `rows` sequences (one new token each): chapter 00a's forward with 05b's
 // kernels between the matvecs, without returning to Python in between. x [rows, hidden]: the new tokens' embeddings,
-// overwritten (it is the residual stream); cos, sin [rows, d]; per layer `weights` holds 6 pointers (input norm, qkv,
-// o, post-attention norm, gate_up, down), then the final norm and the LM head; k_cache, v_cache: chapter 03's pools,
+// overwritten (it is the residual stream); cos, sin [rows, d]; per layer `weights` holds 9 pointers (input norm, qkv,
+// o, post-attention norm, gate_up, down, then chapter 12a's q/k/v bias, q norm and k norm, each null where the model
+// has none), then the final norm and the LM head; k_cache, v_cache: chapter 03's pools,
 // layer after layer, layer_stride elements apart; logits [rows, vocab] in fp32.
 // dims: hidden, intermediate, n_q, n_kv, head_dim, layers, vocab, group (Q4 only). The projections are read as
 // `Weights` says (DenseWeights or Q4Weights); the norms and the LM head are always plain. timings (may be null):
@@ -260,11 +268,18 @@ void decode_step(T* x, const T* cos, const T* sin, const void* const* weights, T
   };
   auto W = [&](int64_t i) { return static_cast<const T*>(weights[i]); };
   for (int64_t l = 0; l < layers; ++l) {
-    const int64_t p = 6 * l;
+    const int64_t p = 9 * l;
     rms_norm<T>(x, l ? out.data() : nullptr, W(p), h.data(), rows, hidden, eps);  // adds the last layer's MLP output first
     tick(2);
     Weights::matvec(weights[p + 1], h.data(), qkv.data(), rows, hidden, qkv_n, group);
     tick(0);
+    if (weights[p + 6]) add_bias<T>(qkv.data(), W(p + 6), rows, qkv_n);  // Qwen2's q/k/v biases
+    if (weights[p + 7])  // Qwen3's RMSNorm over each q head, then each k head, in place
+      for (int64_t r = 0; r < rows; ++r) {
+        T* row = qkv.data() + r * qkv_n;
+        rms_norm<T>(row, nullptr, W(p + 7), row, n_q, d, eps);
+        rms_norm<T>(row + n_q * d, nullptr, W(p + 8), row + n_q * d, n_kv, d, eps);
+      }
     rope<T>(qkv.data(), cos, sin, rows, qkv_n, n_q + n_kv, d);
     paged_decode<T>(qkv.data(), qkv_n, qkv.data() + n_q * d, qkv.data() + (n_q + n_kv) * d, qkv_n, k_cache + l * layer_stride, v_cache + l * layer_stride,
                     new_slots, block_tables, max_blocks, seq_lens, block_size, attn.data(), rows, n_q, n_kv, d, 1.0f / std::sqrt((float)d));
@@ -280,9 +295,9 @@ void decode_step(T* x, const T* cos, const T* sin, const void* const* weights, T
     Weights::matvec(weights[p + 5], act.data(), out.data(), rows, inter, hidden, group);
     tick(0);
   }
-  rms_norm<T>(x, out.data(), W(6 * layers), h.data(), rows, hidden, eps);
+  rms_norm<T>(x, out.data(), W(9 * layers), h.data(), rows, hidden, eps);
   tick(2);
-  matvec<T>(W(6 * layers + 1), h.data(), head.data(), rows, hidden, vocab);
+  matvec<T>(W(9 * layers + 1), h.data(), head.data(), rows, hidden, vocab);
   for (int64_t i = 0; i < rows * vocab; ++i) logits[i] = Num<T>::load(head[i]);  // the model's `.float()`
   tick(1);
 }
@@ -377,9 +392,10 @@ def matvec_q4(w, x, n_out, group_size):
 # sequences per decode step up to which one call beats 05b's fused ops (measured below on the course machine: in fp32
 # oneDNN's packed GEMM is as fast or faster at 16 rows, in bf16 PyTorch's products are slower than ours at every size)
 STEP_MAX_ROWS = {torch.float32: 8, torch.bfloat16: FUSED_MAX_ROWS}
-# what the call runs of chapter 12a's behaviours (`ModelConfig.behaviours`): norms' offsets are folded into their
-# weights at load, and LongRoPE's tables are picked in Python; a model with any other is refused
-STEP_RUNS = ("norm_offset", "longrope")
+# what the call runs of chapter 12a's behaviours (`ModelConfig.behaviours`): q/k/v biases and q/k norms (Qwen2 and
+# Qwen3) in the call; norms' offsets are folded into their weights at load, and LongRoPE's tables are picked in
+# Python; a model with any other is refused
+STEP_RUNS = ("norm_offset", "longrope", "qkv_bias", "qk_norm")
 
 class StepLlama(Llama):
     """`Llama` whose decode steps (one new token for each of up to `STEP_MAX_ROWS` sequences, over a paged KV cache) are one C++ call:
@@ -401,7 +417,7 @@ class StepLlama(Llama):
             raise ValueError(f"StepLlama.timings must be a contiguous float64 tensor of 5, got {self.timings.dtype} {tuple(self.timings.shape)}")
         cfg, m, (k, v) = self.cfg, attention.meta, (attention.cache.k, attention.cache.v)
         x = self.embed_tokens(tokens)  # a new tensor: the residual stream, updated in place by the call
-        cos, sin = self.rope.tables(positions, x.dtype)
+        cos, sin = self.rope.tables(positions, x.dtype, sequence_lengths(attention) if self.rope.switch_at else None)
         logits = torch.empty(len(tokens), cfg.vocab_size)
         dims = (_I * 8)(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                         cfg.head_dim, cfg.num_hidden_layers, cfg.vocab_size, self.group_size)
@@ -410,6 +426,11 @@ class StepLlama(Llama):
             m.block_tables.data_ptr(), m.block_tables.shape[1], m.seq_lens.data_ptr(), k.shape[2], logits.data_ptr(), len(tokens), dims,
             self.norm.eps, None if self.timings is None else self.timings.data_ptr())
         return logits
+
+def _step_extras(layer):
+    "A layer's q/k/v bias, q norm and k norm weights (None where it has none): the step's 7th to 9th pointers."
+    a = layer.self_attn
+    return getattr(a.qkv_proj, "bias", None), *(None if n is None else n.weight for n in (a.q_norm, a.k_norm))
 
 def can_step(dtype, device):
     "Whether `fuse_decode_step` applies: float32 or bfloat16 on a CPU, and the step kernels build here."
@@ -440,7 +461,9 @@ def fuse_decode_step(model):
     # the weights' addresses, in decode_step's order, gathered once: ~1 ms of Python attribute lookups if done every step
     # (replace a weight after this and call fuse_decode_step again)
     addr = iter([w.data_ptr() for w in model.q4_buffers] if q4 else [p.weight.data_ptr() for p in projections])
+    ptr = lambda t: 0 if t is None else t.data_ptr()  # 0: a null pointer, where the model has no such tensor
     weights = [p for l in model.layers for p in (l.input_layernorm.weight.data_ptr(), next(addr), next(addr),
-                                                 l.post_attention_layernorm.weight.data_ptr(), next(addr), next(addr))]
+                                                 l.post_attention_layernorm.weight.data_ptr(), next(addr), next(addr),
+                                                 *map(ptr, _step_extras(l)))]
     model.weight_pointers = (_P * (len(weights) + 2))(*weights, model.norm.weight.data_ptr(), model.lm_head.weight.data_ptr())
     return model

@@ -59,6 +59,10 @@ class ModelRunner:
         tables = [(s.block_table, s.num_computed + i, 1) if s.draft_ids else (s.block_table, s.num_computed, n)
                   for s, n in batch for i in range(n if s.draft_ids else 1)]
         self.attn.meta = build_batch_meta(tables, self.cache.block_size, dev)
+        if self.model.rope.switch_at is not None:  # LongRoPE (chapter 12a): a prompt's table by its whole length
+            owners = [s for s, n in batch for i in range(n if s.draft_ids else 1)]
+            self.attn.meta.rope_lens = torch.tensor([max(len(s.prompt_ids), c + m) for s, (_, c, m) in zip(owners, tables)],
+                                                    device=dev)
         tokens = [t for s, n in batch for t in (s.token_ids + s.draft_ids)[s.num_computed:s.num_computed + n]]
         tokens = torch.tensor(tokens, device=dev)
         positions = torch.cat([torch.arange(s.num_computed, s.num_computed + n, device=dev) for s, n in batch])
@@ -364,6 +368,9 @@ CONFIG_RULES = [
     Rule(("kernels", "kv"), lambda c: c.kernels == "step" and c.kv != "paged",
          lambda c: f"kernels='step' runs decode steps over the paged KV pool (got kv={c.kv!r}); "
                    "use kv='paged', or kernels='cpu'"),
+    Rule(("prefix_cache",), lambda c: c.prefix_cache and _model_config(c.model).rope.rope_type == "longrope",
+         lambda c: "prefix_cache=True reuses a prefix's K/V across prompts, and LongRoPE turns a prompt's keys by a "
+                   f"table its whole length picks ({_model_config(c.model).model_type}); use prefix_cache=False"),
     Rule(("kv", "prefix_cache"), lambda c: c.kv != "paged" and c.prefix_cache,
          lambda c: f"prefix_cache=True needs kv='paged' (got kv={c.kv!r})"),
     Rule(("kv", "attention"), lambda c: c.kv != "paged" and c.attention != "torch",

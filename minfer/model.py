@@ -9,9 +9,9 @@ __all__ = ['DTYPES', 'GGUF_PACKAGE', 'GGUF_FILE', 'MODEL_FAMILIES', 'ROPE_SCALIN
            'WEIGHT_FORMATS', 'Registry', 'unpermute_rope', 'find_default_gguf', 'convert_gguf', 'data_dir',
            'default_model_dir', 'RopeSpec', 'ModelConfig', 'check_model_folder', 'Family', 'rope_inv_freq', 'rope_spec',
            'refuse_unsupported', 'describe_llama', 'check_behaviours', 'Tokenizer', 'RMSNorm', 'RotaryEmbedding',
-           'Attention', 'MLP', 'DecoderLayer', 'Llama', 'make_rope', 'load_model', 'read_checkpoint',
-           'checkpoint_params', 'attend', 'NoCache', 'PackedLinear', 'can_pack', 'pack_weights', 'WeightFormat',
-           'register_weight_format']
+           'Attention', 'MLP', 'DecoderLayer', 'Llama', 'sequence_lengths', 'make_rope', 'load_model',
+           'read_checkpoint', 'checkpoint_params', 'attend', 'NoCache', 'PackedLinear', 'can_pack', 'pack_weights',
+           'WeightFormat', 'register_weight_format']
 
 # %% ../nbs/00a_model.ipynb #afc2d4da
 import json, math, os, re
@@ -381,11 +381,15 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_positions).float(), inv_freq)
         # rotate_half(x) = cat(-x2, x1) = roll(x, d/2) * [-1..., +1...]: fold that sign into the sin table
         return torch.cat([freqs, freqs], -1).cos() * scale, torch.cat([-freqs, freqs], -1).sin() * scale
-    def tables(self, positions, dtype):  # -> cos, sin: [T, 1, rotated dims]
-        cos, sin = self.cos, self.sin
-        if self.switch_at is not None and len(positions) and int(positions.max()) + 1 > self.switch_at:
-            cos, sin = self.long_cos, self.long_sin
-        return cos[positions, None].to(dtype), sin[positions, None].to(dtype)
+    def tables(self, positions, dtype, lengths=None):  # -> cos, sin: [T, 1, rotated dims]
+        "lengths: each row's sequence length so far [T] (LongRoPE's choice of table; None: one sequence, `positions`)."
+        if self.switch_at is None or not len(positions):
+            return self.cos[positions, None].to(dtype), self.sin[positions, None].to(dtype)
+        # as transformers: a sequence past the original context turns its new rows by the long table (cached keys keep theirs)
+        n = positions.max() + 1 if lengths is None else lengths
+        long = torch.as_tensor(n > self.switch_at, device=positions.device).expand(len(positions))[:, None]
+        pick = lambda a, b: torch.where(long, b[positions], a[positions])[:, None].to(dtype)
+        return pick(self.cos, self.long_cos), pick(self.sin, self.long_sin)
     @staticmethod
     def rotate(x, cos, sin):  # x: [T, heads, head_dim]; x * cos + rotate_half(x) * sin, rounded as transformers does
         r = cos.shape[-1]
@@ -485,10 +489,12 @@ class Llama(nn.Module):
     # the activations' dtype in forwards of more than one token; None: the weights' (`pack_weights` sets fp32 for bf16)
     wide_dtype = None
 
-    def rope_tables(self, positions, dtype):
-        "Each layer's (cos, sin) rows for `positions`: looked up once per table, (None, None) for a layer without RoPE."
-        tables = [self.rope.tables(positions, dtype)]
-        if self.local_rope is not None: tables.append(self.local_rope.tables(positions, dtype))
+    def rope_tables(self, positions, dtype, attention=None):
+        """Each layer's (cos, sin) rows for `positions`: looked up once per table, (None, None) for a layer without
+        RoPE. `attention`'s batch (a paged one has `meta`) tells LongRoPE each row's sequence length."""
+        lengths = sequence_lengths(attention) if self.rope.switch_at is not None else None
+        tables = [self.rope.tables(positions, dtype, lengths)]
+        if self.local_rope is not None: tables.append(self.local_rope.tables(positions, dtype, lengths))
         return [(None, None) if r is None else tables[r] for r in self.cfg.layer_ropes]
 
     def forward(self, tokens, positions, attention, logits_rows=None):
@@ -496,12 +502,20 @@ class Llama(nn.Module):
         x = self.embed_tokens(tokens)
         if self.cfg.embed_scale != 1: x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)  # rounded as Gemma does
         if self.wide_dtype is not None and len(tokens) > 1: x = x.to(self.wide_dtype)
-        tables = self.rope_tables(positions, x.dtype)
+        tables = self.rope_tables(positions, x.dtype, attention)
         for layer in self.layers: x = layer(x, *tables[layer.layer], attention)
         if logits_rows is not None: x = x[logits_rows]
         logits = self.lm_head(self.norm(x)).float()
         cap = self.cfg.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+def sequence_lengths(attention):
+    """Each row's sequence length in a paged batch (`attention.meta`, chapter 03): its `rope_lens` where the engine
+    set them (a prompt's whole length, chunk after chunk), else cached + new tokens; None for one sequence."""
+    meta = getattr(attention, "meta", None)
+    if meta is None: return None
+    lens = meta.seq_lens if getattr(meta, "rope_lens", None) is None else meta.rope_lens
+    return lens.long().repeat_interleave(meta.cu_seqlens_q.diff().long())
 
 def make_rope(model):
     "Give `model` its RoPE tables (`rope`, and `local_rope` or None), from its config; after loading onto meta, again."

@@ -135,6 +135,7 @@ class BatchMeta:
     block_tables: torch.Tensor   # int32 [B, max_blocks], rows padded with 0
     max_seqlen_q: int
     max_seqlen_k: int
+    rope_lens: torch.Tensor | None = None  # int64 [B]: the lengths LongRoPE picks its table by (chapter 12a), if set
 
 def build_batch_meta(seqs, block_size, device="cpu"):
     """`BatchMeta` from one (block_table, num_cached_tokens, num_new_tokens) per sequence.
