@@ -21,8 +21,9 @@ from bench_decode import machine, time_minfer
 from bench_throughput import run_minfer
 
 # SmolLM2-135M-Instruct's numbers (chapter 00a)
-SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-             head_dim=64, max_position_embeddings=2048, tie_word_embeddings=True, rope_theta=100000.0)
+SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+             num_key_value_heads=3, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=True,
+             rope_theta=100000.0)
 
 
 def main():
@@ -47,15 +48,17 @@ def main():
             total, tpot, _ = time_minfer(llm, prompt, 128)
             b1[name].append(1 / tpot)
             mixed[name].append(run_minfer(llm, mix))
-            print(f"repeat {r}: {name:26s} batch 1 {b1[name][-1]:6.1f} tok/s   64-request mix {mixed[name][-1]:6.1f} tok/s",
-                  flush=True)
+            print(f"repeat {r}: {name:26s} batch 1 {b1[name][-1]:6.1f} tok/s   "
+                  f"64-request mix {mixed[name][-1]:6.1f} tok/s", flush=True)
     med = lambda xs: statistics.median(xs)
     base = "llama (default model)"
-    lines = ["| model | switches | batch-1 decode tok/s | vs Llama | 64-request mix tok/s | vs Llama |", "|---|---|---|---|---|---|"]
+    lines = ["| model | switches | batch-1 decode tok/s | vs Llama | 64-request mix tok/s | vs Llama |",
+             "|---|---|---|---|---|---|"]
     for name, llm in llms.items():
         c = llm.config
-        lines.append(f"| {name} | kernels={c.kernels}, attention={c.attention}, weights={c.weights} | {med(b1[name]):.1f} | "
-                     f"{med(b1[name]) / med(b1[base]):.2f} | {med(mixed[name]):.1f} | {med(mixed[name]) / med(mixed[base]):.2f} |")
+        one, mix = med(b1[name]), med(mixed[name])
+        lines.append(f"| {name} | kernels={c.kernels}, attention={c.attention}, weights={c.weights} | {one:.1f} | "
+                     f"{one / med(b1[base]):.2f} | {mix:.1f} | {mix / med(mixed[base]):.2f} |")
     table = "\n".join(lines)
     print(table)
     if a.record:

@@ -79,7 +79,7 @@ class Worker:
         self.spans, self.transfers = [], []  # (start, end, tokens, sequences) per step; one entry per KV transfer
         with torch.inference_mode():  # first-call setup should not count as the first request's time
             dev = self.model.device
-            self.model(torch.tensor([0], device=dev), torch.tensor([0], device=dev), lambda l, q, k, v, **window_softcap: q)
+            self.model(torch.tensor([0], device=dev), torch.tensor([0], device=dev), lambda l, q, k, v, **kw: q)
         post(outbox, "ready", role, os.getpid(), self.cache.num_blocks, self.cache.block_size)
 
     def run(self):

@@ -61,8 +61,8 @@ class ModelRunner:
         self.attn.meta = build_batch_meta(tables, self.cache.block_size, dev)
         if self.model.rope.switch_at is not None:  # LongRoPE (chapter 12a): a prompt's table by its whole length
             owners = [s for s, n in batch for i in range(n if s.draft_ids else 1)]
-            self.attn.meta.rope_lens = torch.tensor([max(len(s.prompt_ids), c + m) for s, (_, c, m) in zip(owners, tables)],
-                                                    device=dev)
+            lens = [max(len(s.prompt_ids), c + m) for s, (_, c, m) in zip(owners, tables)]
+            self.attn.meta.rope_lens = torch.tensor(lens, device=dev)
         tokens = [t for s, n in batch for t in (s.token_ids + s.draft_ids)[s.num_computed:s.num_computed + n]]
         tokens = torch.tensor(tokens, device=dev)
         positions = torch.cat([torch.arange(s.num_computed, s.num_computed + n, device=dev) for s, n in batch])

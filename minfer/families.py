@@ -27,21 +27,30 @@ def tiny_random_model(model_type, folder, seed=0, **config):
     (default init sets biases to 0 and norm weights to 1, which would hide a dropped bias or a misread norm), save it
     to `folder` with the default model's tokenizer; -> the transformers model (fp32, eval). Nothing is downloaded."""
     import shutil, transformers
+    from transformers.utils import logging as hf_logging
     cls = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma2": "Gemma2",
            "gemma3_text": "Gemma3", "phi3": "Phi3", "smollm3": "SmolLM3", "qwen3_moe": "Qwen3Moe",
            "mixtral": "Mixtral"}[model_type]
     cfg_cls = getattr(transformers, "Gemma3TextConfig" if model_type == "gemma3_text" else cls + "Config")
     tok_dir = default_model_dir()
     vocab = json.loads((tok_dir / "config.json").read_text())["vocab_size"]
-    cfg = cfg_cls(**{**TINY, "vocab_size": vocab, **config})
-    torch.manual_seed(seed)
-    model = getattr(transformers, cls + "ForCausalLM")(cfg).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1: p.copy_((1.0 if "norm" in name else 0.0) + 0.3 * torch.randn_like(p))
-            else: p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5 * (4.0 if "lm_head" in name or "embed" in name else 1.0))
-    folder = Path(folder)
-    model.save_pretrained(folder)
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error(); hf_logging.disable_progress_bar()  # quiet: no bars, no advice on old keys
+    try:
+        cfg = cfg_cls(**{**TINY, "vocab_size": vocab, **config})
+        torch.manual_seed(seed)
+        model = getattr(transformers, cls + "ForCausalLM")(cfg).float().eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() == 1: p.copy_((1.0 if "norm" in name else 0.0) + 0.3 * torch.randn_like(p))
+                else:  # scaled by fan-in; embedding and LM head 4x, so the logits spread and greedy meets no near-ties
+                    wide = "lm_head" in name or "embed" in name
+                    p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5 * (4.0 if wide else 1.0))
+        folder = Path(folder)
+        model.save_pretrained(folder)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars: hf_logging.enable_progress_bar()
     for f in ("tokenizer.json", "tokenizer_config.json"): shutil.copy(tok_dir / f, folder / f)
     return model
 
@@ -161,18 +170,19 @@ for name, describe, about in (
 def kv_bytes_read(cfg, context, kv_dtype="bfloat16"):
     """K/V bytes one decode step reads for a token at position `context`, all layers: a full layer reads every earlier
     token's K and V, a sliding layer at most its window's."""
-    per_token = 2 * cfg.num_key_value_heads * cfg.head_dim * torch.empty(0, dtype=getattr(torch, kv_dtype)).element_size()
+    per_token = 2 * cfg.num_key_value_heads * cfg.head_dim * getattr(torch, kv_dtype).itemsize
     return per_token * sum(context if w is None else min(context, w) for w in cfg.layer_windows)
 
 def weight_bytes(cfg, dtype="bfloat16"):
     "Bytes of every weight a decode step reads (chapter 00b's count: the embedding only as rows, the LM head in full)."
     p = param_counts(cfg)
-    return (p["attention"] + p["mlp"] + p["norms"] + cfg.vocab_size * cfg.hidden_size) * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    return (p["attention"] + p["mlp"] + p["norms"] + cfg.vocab_size * cfg.hidden_size) * getattr(torch, dtype).itemsize
 
 def _public(vocab, hidden, inter, layers, heads, kv, head_dim, tied, window=None, every=None):
     "A public model's numbers; `window` on all layers, or on all but every `every`-th (Gemma 3's 5 : 1)."
     windows = tuple(None if window is None or (every and (i + 1) % every == 0) else window for i in range(layers))
-    return ModelConfig(vocab, hidden, inter, layers, heads, kv, head_dim, tie_word_embeddings=tied, layer_windows=windows)
+    return ModelConfig(vocab, hidden, inter, layers, heads, kv, head_dim, tie_word_embeddings=tied,
+                       layer_windows=windows)
 
 # from each model's config.json (typed in, nothing downloaded)
 PUBLIC_MODELS = {

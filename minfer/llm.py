@@ -70,7 +70,7 @@ class LLM:
             # first-call setup (thread pools, kernels) should not count as the first request's TTFT
             with torch.inference_mode():
                 dev = self.config.device
-                self.model(torch.tensor([0], device=dev), torch.tensor([0], device=dev), lambda l, q, k, v, **window_softcap: q)
+                self.model(torch.tensor([0], device=dev), torch.tensor([0], device=dev), lambda l, q, k, v, **kw: q)
 
     def close(self):
         "Stop the engine's worker processes (pd_split=True; they also stop at exit); a no-op for in-process engines."

@@ -227,11 +227,13 @@ class ModelConfig:
             act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
             if act not in HF_ACTIVATIONS: raise ValueError(f"hidden_act {act!r} is not supported; allowed: "
                                                            f"{', '.join(map(repr, HF_ACTIVATIONS))}")
-            kw = dict(vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
-                      num_hidden_layers=d["num_hidden_layers"], num_attention_heads=d["num_attention_heads"],
+            kw = dict(vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+                      intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
+                      num_attention_heads=d["num_attention_heads"],
                       num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
                       head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
-                      rms_norm_eps=d.get("rms_norm_eps", 1e-5), max_position_embeddings=d.get("max_position_embeddings", 2048),
+                      rms_norm_eps=d.get("rms_norm_eps", 1e-5),
+                      max_position_embeddings=d.get("max_position_embeddings", 2048),
                       tie_word_embeddings=d.get("tie_word_embeddings", False), hidden_act=HF_ACTIVATIONS[act],
                       eos_token_id=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
                       model_type=d.get("model_type", "llama"))
@@ -283,8 +285,9 @@ def rope_spec(d, params=None):
     factor = p.get("factor")
     orig = p.get("original_max_position_embeddings", d.get("original_max_position_embeddings"))
     if factor is None: factor = d.get("max_position_embeddings", 2048) / orig if kind == "longrope" and orig else 1.0
-    return RopeSpec(theta=float(p.get("rope_theta", d.get("rope_theta", 10000.0))), rope_type=kind, factor=float(factor),
-                    low_freq_factor=float(p.get("low_freq_factor", 1.0)), high_freq_factor=float(p.get("high_freq_factor", 4.0)),
+    return RopeSpec(theta=float(p.get("rope_theta", d.get("rope_theta", 10000.0))), rope_type=kind,
+                    factor=float(factor), low_freq_factor=float(p.get("low_freq_factor", 1.0)),
+                    high_freq_factor=float(p.get("high_freq_factor", 4.0)),
                     original_max_position_embeddings=orig, short_factor=tuple(p.get("short_factor") or ()),
                     long_factor=tuple(p.get("long_factor") or ()), attention_factor=p.get("attention_factor"),
                     partial_rotary_factor=float(p.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))))
@@ -385,7 +388,8 @@ class RotaryEmbedding(nn.Module):
         "lengths: each row's sequence length so far [T] (LongRoPE's choice of table; None: one sequence, `positions`)."
         if self.switch_at is None or not len(positions):
             return self.cos[positions, None].to(dtype), self.sin[positions, None].to(dtype)
-        # as transformers: a sequence past the original context turns its new rows by the long table (cached keys keep theirs)
+        # as transformers: a sequence past the original context turns its new rows by the long table (its cached keys
+        # keep theirs)
         n = positions.max() + 1 if lengths is None else lengths
         long = torch.as_tensor(n > self.switch_at, device=positions.device).expand(len(positions))[:, None]
         pick = lambda a, b: torch.where(long, b[positions], a[positions])[:, None].to(dtype)
@@ -411,7 +415,7 @@ class Attention(nn.Module):
         # another scale than SDPA's head_dim ** -0.5: folded into q (the cached keys are unchanged)
         self.q_scale = None if cfg.query_scale is None else cfg.query_scale / self.d ** -0.5
         window, softcap = cfg.layer_windows[layer], cfg.attn_softcap
-        self.attn_kwargs = {**({} if window is None else {"window": window}), **({} if softcap is None else {"softcap": softcap})}
+        self.attn_kwargs = {k: v for k, v in (("window", window), ("softcap", softcap)) if v is not None}
     def checkpoint_tensors(self, prefix, take, names):
         "q, k, v projections fused into one (weights, and biases where it has them), unless the checkpoint fused them."
         kinds = ("weight", "bias") if self.qkv_proj.bias is not None else ("weight",)
@@ -565,7 +569,8 @@ def checkpoint_params(model, sd, folder):
         if name not in params and name not in tied: params[name] = take(hf(name))
     if sd:
         raise ValueError(f"model folder {str(folder)!r}: {len(sd)} checkpoint tensors would be left unused "
-                         f"({', '.join(sorted(sd)[:3])}{', ...' if len(sd) > 3 else ''}): config.json does not describe "
+                         f"({', '.join(sorted(sd)[:3])}{', ...' if len(sd) > 3 else ''}): config.json does not "
+                         "describe "
                          f"what they do for model_type {model.cfg.model_type!r}")
     for path, module in model.named_modules():  # norms that scale by (offset + w): store offset + w once
         if isinstance(module, RMSNorm) and model.cfg.norm_offset:
@@ -615,7 +620,8 @@ class PackedLinear(nn.Module):
         # the row-count hint picks oneDNN's blocking; 64 beat 1, 4, 64 and 512 rows on the course machine
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().float(), 64)
     def forward(self, x):
-        if x.dtype == torch.float32: return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias32, "none", [], "")
+        if x.dtype == torch.float32:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias32, "none", [], "")
         if x.shape[0] == 1: return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x.float(), self.packed, self.bias32, "none", [], "").to(x.dtype)
 

@@ -38,10 +38,10 @@ class MoE(nn.Module):
     def checkpoint_tensors(self, prefix, take, names):
         "The router, and every expert's gate/up (fused) and down stacked into one tensor each."
         E = self.num_experts
-        gate_up = [torch.cat([take(f"{prefix}experts.{e}.gate_proj.weight"), take(f"{prefix}experts.{e}.up_proj.weight")])
-                   for e in range(E)]
+        expert = lambda e, name: take(f"{prefix}experts.{e}.{name}.weight")
+        gate_up = [torch.cat([expert(e, "gate_proj"), expert(e, "up_proj")]) for e in range(E)]
         return {"router.weight": take(prefix + "gate.weight"), "gate_up": torch.stack(gate_up),
-                "down": torch.stack([take(f"{prefix}experts.{e}.down_proj.weight") for e in range(E)])}
+                "down": torch.stack([expert(e, "down_proj") for e in range(E)])}
 
     def route(self, x):
         "-> weights [T, k] (in x's dtype) and expert ids [T, k]: softmax over all experts in fp32, top k, rescaled."
@@ -63,7 +63,9 @@ class MoE(nn.Module):
         rows, w = order // self.top_k, weights.flatten()[order]
         out, start = torch.zeros_like(x), 0
         for e, n in enumerate(counts):
-            if n: out.index_add_(0, rows[start:start + n], self.expert(e, x[rows[start:start + n]]) * w[start:start + n, None])
+            if n:
+                mine = rows[start:start + n]
+                out.index_add_(0, mine, self.expert(e, x[mine]) * w[start:start + n, None])
             start += n
         if self.touched is not None: self.touched.append(sum(n > 0 for n in counts))
         return out
@@ -90,6 +92,7 @@ def describe_mixtral(d):
 
 MODEL_FAMILIES["qwen3_moe"] = Family(describe_qwen3_moe, about="Qwen3-MoE (30B-A3B, 235B-A22B): 128 experts, top 8")
 MODEL_FAMILIES["mixtral"] = Family(describe_mixtral, about="Mixtral 8x7B: 8 experts, top 2", renames=(
-    (r"\.block_sparse_moe\.gate\.", ".mlp.gate."), (r"\.block_sparse_moe\.experts\.(\d+)\.w1\.", r".mlp.experts.\1.gate_proj."),
+    (r"\.block_sparse_moe\.gate\.", ".mlp.gate."),
+    (r"\.block_sparse_moe\.experts\.(\d+)\.w1\.", r".mlp.experts.\1.gate_proj."),
     (r"\.block_sparse_moe\.experts\.(\d+)\.w3\.", r".mlp.experts.\1.up_proj."),
     (r"\.block_sparse_moe\.experts\.(\d+)\.w2\.", r".mlp.experts.\1.down_proj.")))

@@ -289,12 +289,14 @@ class PagedAttention:
             for i, n in enumerate(lens):
                 lo = 0 if window is None else max(0, n - (cu[i + 1] - cu[i]) - window + 1)
                 slots = key_slots(tables[i], n, bs, q.device)
-                plan.append((cu[i], cu[i + 1], slice(slots.start + lo, slots.stop) if isinstance(slots, slice) else slots[lo:]))
+                slots = slice(slots.start + lo, slots.stop) if isinstance(slots, slice) else slots[lo:]
+                plan.append((cu[i], cu[i + 1], slots))
             self.window_plans[window] = plan
         k_flat, v_flat = k_cache.view(-1, h, d), v_cache.view(-1, h, d)
         out = torch.empty_like(q)
         for r0, r1, slots in self.window_plans[window]:
-            out[r0:r1] = attend(q[r0:r1], take(k_flat, slots).to(q.dtype), take(v_flat, slots).to(q.dtype), window, softcap)
+            k, v = take(k_flat, slots).to(q.dtype), take(v_flat, slots).to(q.dtype)
+            out[r0:r1] = attend(q[r0:r1], k, v, window, softcap)
         return out
 
 def key_slots(blocks, n, bs, device="cpu"):

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "int4": 0.5}
 
 def param_counts(cfg):
-    """Parameters by part: embedding, attention, MLP, norms, LM head (0 when tied to the embedding). A mixture of experts
-    (chapter 12b) counts every expert and its router: what a step reads when its tokens touch them all."""
+    """Parameters by part: embedding, attention, MLP, norms, LM head (0 when tied to the embedding). A mixture of
+    experts (chapter 12b) counts every expert and its router: what a step reads when its tokens touch them all."""
     h, d, L = cfg.hidden_size, cfg.head_dim, cfg.num_hidden_layers
     attn = h * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d + cfg.num_attention_heads * d * h
     moe = len(getattr(cfg, "moe_layers", ()))
