@@ -61,6 +61,9 @@ class MoE(nn.Module):
         order = flat.argsort(stable=True)              # grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         rows, w = order // self.top_k, weights.flatten()[order]
+        # the experts run in their weights' dtype (a bf16 model's fp32 wide steps, chapter 00a, do not widen them)
+        y, x = x, x.to(self.gate_up.dtype)
+        w = w.to(x.dtype)
         out, start = torch.zeros_like(x), 0
         for e, n in enumerate(counts):
             if n:
@@ -68,7 +71,7 @@ class MoE(nn.Module):
                 out.index_add_(0, mine, self.expert(e, x[mine]) * w[start:start + n, None])
             start += n
         if self.touched is not None: self.touched.append(sum(n > 0 for n in counts))
-        return out
+        return out.to(y.dtype)
 
 MLP_KINDS["moe"] = MoE
 

@@ -262,6 +262,30 @@ def test_the_one_call_step_runs_plain_families_and_refuses_the_rest(tiny, name):
         assert EngineConfig(model=str(folder), dtype="float32").resolve().kernels == "cpu"  # auto steps aside
 
 
+@pytest.mark.parametrize("name", ["qwen2_plain", "qwen3", "gemma2", "gemma3_text", "phi3", "qwen3_moe", "mixtral"])
+def test_bfloat16_against_fp32(tiny, name):
+    """Contract 4: bf16 with `auto`'s switches (the one-call step for Qwen2/3, the fused kernels for the rest) against
+    transformers in fp32. Measured here: prompt log-probs within 0.28 of fp32's, greedy parting from fp32's only where
+    fp32's top-2 gap was under 0.11 on the dense families. So: log-probs within 0.5; for dense families a divergence
+    only below a gap of 0.5. A mixture's router can pick other experts in bf16 (a discontinuity: one of Mixtral's runs
+    parted at a gap of 1.16), so for the mixtures only the log-probs are bounded."""
+    folder, ref = tiny(name)
+    with LLM(str(folder), dtype="bfloat16") as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, prompt_logprobs=0),
+                            raw=True)
+    for o in outs:
+        ids = torch.tensor(o.prompt_token_ids)
+        with torch.inference_mode(): want = torch.log_softmax(ref(ids[None]).logits[0].float(), -1)
+        got = [next(iter(d.values())) for d in o.prompt_logprobs[1:]]
+        err = max(abs(g - want[i, int(ids[i + 1])].item()) for i, g in enumerate(got))
+        assert err < 0.5, f"bf16 prompt log-probs {err:.3f} from fp32's"
+        if ModelConfig.from_folder(folder).num_experts: continue
+        tokens, gaps = reference_steps(ref, o.prompt_token_ids, 12)
+        if o.token_ids != tokens:
+            i = next(i for i, (a, b) in enumerate(zip(o.token_ids, tokens)) if a != b)
+            assert gaps[i] < 0.5, f"bf16 parted from fp32 at token {i}, where fp32's top-2 gap is {gaps[i]:.2f}"
+
+
 @pytest.mark.parametrize("name", ["mistral", "gemma2", "qwen3"])
 def test_quantized_kv_runs_or_is_refused(tiny, name):
     "int8 KV runs every family (its prompt log-probs near fp32's); int4 refuses windows and soft-caps."
