@@ -79,6 +79,8 @@ def test_mask_equals_partial_regex_match(llm):
             checked += 1
         assert not any(allowed[u] for u in special - set(llm.eos_ids))
         assert all(bool(allowed[e]) == bool(re.fullmatch(NAME_RX, prefix)) for e in llm.eos_ids), prefix
+        masked = state.mask(torch.zeros(tok.vocab_size + 64))  # a head wider than the vocabulary: never those
+        assert torch.equal(masked[:tok.vocab_size] == 0, allowed) and masked[tok.vocab_size:].eq(float("-inf")).all()
         state.accept(t)
         prefix += tok.decode([t])
     assert all(bool(state.allowed()[e]) for e in llm.eos_ids) and checked > 10000
