@@ -10,6 +10,7 @@ __all__ = ['JSON_OPTIONS', 'grammar_tokenizer', 'GrammarConstraint', 'constraint
 
 # %% ../nbs/14_structured.ipynb #s14imp
 import functools, json
+import numpy as np
 import torch
 import llguidance
 from llguidance.gbnf_to_lark import gbnf_to_lark
@@ -43,7 +44,9 @@ class GrammarConstraint:
         "[vocab] bool: the tokens the grammar allows next."
         self.matcher.unsafe_compute_mask_ptr(self.bitmask.data_ptr(), self.bitmask.numel() * 4)
         if self.matcher.is_error(): raise RuntimeError(f"grammar state broken: {self.matcher.get_error()}")
-        return ((self.bitmask[:, None] >> torch.arange(32, dtype=torch.int32)) & 1).flatten()[:self.vocab_size] > 0
+        # bit t % 32 of word t // 32: on a little-endian machine, bit t of the bytes read least significant first
+        bits = np.unpackbits(self.bitmask.numpy().view(np.uint8), bitorder="little")[:self.vocab_size]
+        return torch.from_numpy(bits.view(np.bool_))
 
     def mask(self, logits):
         allowed = self.allowed().to(logits.device)

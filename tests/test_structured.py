@@ -144,10 +144,12 @@ def test_engine_mixed_batch_forks_chunks_prefix_cache_abort(model_dir):
 
 
 @pytest.mark.parametrize("spec, words", [
-    ({"json": {"type": "objekt"}}, "json"), ({"json": "{not json"}, "not valid JSON"), ({"regex": "(unclosed"}, "regex"),
+    ({"json": {"type": "objekt"}}, "json"), ({"json": "{not json"}, "not valid JSON"),
+    ({"regex": "(unclosed"}, "regex"),
     ({"choice": "yes"}, "choice"), ({"choice": []}, "choice"), ({"grammar": "root ::= missing"}, "grammar"),
     ({"json_object": "yes"}, "json_object"), ({"jsn": {}}, "'jsn'"), ({"json": {}, "regex": "a"}, "one of"),
-    ({"json": {"type": "array", "uniqueItems": True}}, "uniqueItems"), ({"regex": "a", "jump_forward": 1}, "jump_forward")])
+    ({"json": {"type": "array", "uniqueItems": True}}, "uniqueItems"),
+    ({"regex": "a", "jump_forward": 1}, "jump_forward")])
 def test_bad_specs_are_one_line_before_any_work(llm, spec, words):
     steps = llm.engine.ledger.steps
     with pytest.raises(ValueError) as e: llm.generate("hi", SamplingParams(structured_outputs=spec))
