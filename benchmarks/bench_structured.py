@@ -9,7 +9,7 @@
 
 usage: python benchmarks/bench_structured.py [--rounds 3] [--requests 16] [--out benchmarks/structured-DATE.md]
 """
-import argparse, datetime, json, platform, statistics, subprocess, time
+import argparse, datetime, json, os, platform, statistics, subprocess, time
 from pathlib import Path
 
 import torch
@@ -52,13 +52,27 @@ def forward_passes(m):
     return 1 + ((m["num_generated_tokens"] - 1) / m["tokens_per_pass"] if m["tokens_per_pass"] else 0)
 
 
+MASK_SECONDS = [0.0]  # time spent in GrammarConstraint.mask, all rows: the constraint's own cost, robust to load
+
+
+def _timed_mask(mask):
+    def timed(self, logits):
+        t = time.perf_counter()
+        out = mask(self, logits)
+        MASK_SECONDS[0] += time.perf_counter() - t
+        return out
+    return timed
+
+
 def run(llm, convs, params):
+    MASK_SECONDS[0] = 0.0
     t = time.perf_counter()
     outs = llm.chat(convs, params)
     wall = time.perf_counter() - t
     tokens = sum(len(o.token_ids) for o in outs)
     passes = sum(forward_passes(o.metrics) for o in outs)
-    return dict(tok_s=tokens / wall, passes_per_token=passes / tokens, tokens=tokens, wall=wall), outs
+    return dict(tok_s=tokens / wall, passes_per_token=passes / tokens, tokens=tokens, wall=wall,
+                mask_share=MASK_SECONDS[0] / wall), outs
 
 
 def main():
@@ -68,6 +82,7 @@ def main():
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     llm = LLM(max_num_seqs=a.requests)
+    structured.GrammarConstraint.mask = _timed_mask(structured.GrammarConstraint.mask)
     convs = [[{"role": "user", "content": f"Invent person number {i + 1} and describe them as JSON."}]
              for i in range(a.requests)]
     constrained = lambda jf: SamplingParams(max_tokens=120, structured_outputs={"json": FORM, "jump_forward": jf})
@@ -78,7 +93,7 @@ def main():
         for name, params in (("free", free), ("masked", constrained(False)), ("jump", constrained(True))):
             r, outs = run(llm, convs, params)
             results[name].append(r)
-    med = {k: {m: statistics.median(r[m] for r in v) for m in ("tok_s", "passes_per_token", "tokens")}
+    med = {k: {m: statistics.median(r[m] for r in v) for m in ("tok_s", "passes_per_token", "tokens", "mask_share")}
            for k, v in results.items()}
     # compile and mask costs
     compile_ms, mask_us = {}, []
@@ -100,19 +115,21 @@ def main():
         mask_us.append(1e6 * (time.perf_counter() - t0))
         state.accept(t)
     when = datetime.datetime.now()
+    load = os.getloadavg()[0]
     lines = [f"# Structured outputs, {when:%Y-%m-%d %H:%M}", "",
+             f"- load average (1 min) at the end: {load:.2f} on {os.cpu_count()} cores (other jobs share the machine)",
              f"- machine: {cpu_name()}; torch {torch.__version__}; llguidance {structured.llguidance.__version__}",
              f"- command: `python benchmarks/bench_structured.py --rounds {a.rounds} --requests {a.requests}`",
              f"- engine: `{llm!r}`",
              f"- workload: {a.requests} concurrent chat requests for a 7-key JSON object (greedy); `free` decodes the "
              "same number of tokens per request without a constraint; medians of "
              f"{a.rounds} alternating rounds", "",
-             "| mode | tokens/s | vs free | forward passes per output token | output tokens |",
-             "| --- | --- | --- | --- | --- |"]
+             "| mode | tokens/s | vs free | forward passes per output token | output tokens | mask time / wall |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for k in ("free", "masked", "jump"):
         m = med[k]
         lines.append(f"| {k} | {m['tok_s']:.1f} | {m['tok_s'] / med['free']['tok_s']:.2f}x | "
-                     f"{m['passes_per_token']:.2f} | {m['tokens']:.0f} |")
+                     f"{m['passes_per_token']:.2f} | {m['tokens']:.0f} | {100 * m['mask_share']:.1f}% |")
     lines += ["", "| schema | llguidance compile (ms, median of 5, uncached) |", "| --- | --- |"]
     lines += [f"| {k} | {v:.2f} |" for k, v in compile_ms.items()]
     lines += ["", f"Mask per step, one sequence, the 7-key schema: median {statistics.median(mask_us):.0f} µs, "
