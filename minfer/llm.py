@@ -128,9 +128,6 @@ def _constraint(self, params):
     """The factory of `params`' output-constraint states (chapter 14 registers the kinds), or None; one line for a
     spec that cannot run here, before any work."""
     if params.structured_outputs is None: return None
-    if self.config.speculative is not None:
-        raise ValueError("structured_outputs: speculative decoding does not check its guesses against the constraint; "
-                         "serve constrained requests from an LLM without speculative=")
     if self.config.pd_split:
         raise ValueError("structured_outputs: pd_split=True's decode worker samples without the constraint; "
                          "serve constrained requests from an LLM without pd_split")

@@ -17,7 +17,8 @@ from .model import Registry
 # Output constraints plug in here (chapter 14 registers them): kind -> compile(value, tokenizer, eos_ids), which checks
 # `SamplingParams.structured_outputs[kind]` and returns a factory of fresh constraint states, one per sequence. A state
 # masks a row of logits before sampling (`mask(logits)`), advances on each token the sequence keeps (`accept(token)`),
-# gives the tokens it forces next (`forced()`, for jump-forward decoding) and says when nothing may follow (`done`).
+# gives the tokens it forces next (`forced()`, for jump-forward decoding), says when nothing may follow (`done`) and
+# takes back its last n tokens (`rollback(n)`: chapter 10 walks it through speculative guesses, then back).
 STRUCTURED_OUTPUTS = Registry("structured_outputs kind")
 STRUCTURED_OPTIONS = ("jump_forward",)  # keys of `structured_outputs` that tune the constraint rather than name it
 

@@ -120,10 +120,11 @@ class Sequence:
         "The random generator for the next token (or one `ahead` of it): seeded by (seed, its index in the output)."
         return torch.Generator().manual_seed((self.seed * 1_000_003 + len(self.output_ids) + ahead) % 2**63)
 
-    def append(self, token, logprobs=None, forced=False):
+    def append(self, token, logprobs=None, jump=True):
         """Add a generated token (and its logprobs entry); update text, stop state and timings. An output constraint
-        advances on it and may force the tokens after it: they are appended at once (`forced=True`), without a forward
-        pass of their own (jump-forward decoding, chapter 14); the next step computes their KV as it does a prompt's."""
+        advances on it and may force the tokens after it: with `jump` they are appended at once, without a forward pass
+        of their own (jump-forward decoding, chapter 14); the next step computes their KV as it does a prompt's. (Not
+        after a forced token, nor inside a verified speculative run of tokens: only after its last, chapter 10.)"""
         now = time.perf_counter()
         if not self.output_ids: self.metrics.first_token_time = now
         self.output_ids.append(token)
@@ -145,9 +146,9 @@ class Sequence:
         if self.constraint is not None and self.constraint.done:  # the structure is complete: nothing may follow
             if self.tokenizer is not None: self._detokenize(final=True)
             return self._finish("stop", now)
-        if self.constraint is None or forced: return
+        if self.constraint is None or not jump: return
         for t in self.constraint.forced():
-            if not self.finished: self.append(t, None if self.logprobs is None else {}, forced=True)
+            if not self.finished: self.append(t, None if self.logprobs is None else {}, jump=False)
 
     def _detokenize(self, final=False):
         ids = self.output_ids

@@ -157,12 +157,21 @@ def test_bad_specs_are_one_line_before_any_work(llm, spec, words):
     assert llm.engine.ledger.steps == steps and not llm.has_unfinished()
 
 
-def test_speculative_engine_refuses_constrained_requests(model_dir):
-    llm = LLM(model_dir, speculative="ngram")
-    with pytest.raises(ValueError, match="speculative") as e:
-        llm.generate("hi", SamplingParams(structured_outputs={"choice": ["a", "b"]}))
-    assert "\n" not in str(e.value)
-    assert llm.generate("hi", SamplingParams(max_tokens=3))[0].token_ids  # still serves
+def test_speculative_decoding_checks_guesses_against_the_constraint(llm, model_dir):
+    """Prompt lookup guesses, each verify row masked by the grammar state after the guesses before it, the state rolled
+    back: greedy outputs equal the plain engine's (with and without jump-forward), sampled ones validate."""
+    spec = LLM(model_dir, speculative={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2})
+    schema_prompt = ("Copy this JSON: " + json.dumps({"name": "Ada Lovelace", "age": 36}) + "\nJSON:")
+    for so in ({"json": PERSON}, {"json": PERSON, "jump_forward": False}, {"regex": NAME_RX}):
+        params = SamplingParams(max_tokens=40, structured_outputs=so)
+        fast = spec.generate(schema_prompt, params, raw=True)[0]
+        plain = llm.generate(schema_prompt, params, raw=True)[0]
+        assert fast.token_ids == plain.token_ids, (so, fast.text, plain.text)
+        if "json" in so: assert fast.metrics["acceptance_rate"] > 0.5  # it guessed (the prompt holds the JSON)
+    out = spec.generate(schema_prompt, SamplingParams(temperature=1.0, n=4, seed=2, max_tokens=40,
+                                                      structured_outputs={"json": PERSON}), raw=True)[0]
+    assert all(validates(s.text, PERSON) for s in out.samples if s.finish_reason == "stop")
+    assert any(s.metrics["acceptance_rate"] for s in out.samples)
 
 
 # ---- the server
