@@ -143,6 +143,14 @@ def test_engine_mixed_batch_forks_chunks_prefix_cache_abort(model_dir):
     assert all(validates(s.text, PERSON) for s in again.samples if s.finish_reason == "stop")
 
 
+def test_sequential_engine_follows_the_constraint_too(llm, model_dir):
+    "kv='contiguous' (chapter 02d's engine) masks through the same `sample_next` and jumps through the same `append`."
+    seq_llm = LLM(model_dir, kv="contiguous")
+    params = SamplingParams(max_tokens=40, structured_outputs={"json": PERSON})
+    ask = [{"role": "user", "content": "A person as JSON."}]
+    assert seq_llm.chat(ask, params)[0].token_ids == llm.chat(ask, params)[0].token_ids
+
+
 @pytest.mark.parametrize("spec, words", [
     ({"json": {"type": "objekt"}}, "json"), ({"json": "{not json"}, "not valid JSON"),
     ({"regex": "(unclosed"}, "regex"),
