@@ -170,12 +170,29 @@ def test_speculative_decoding_checks_guesses_against_the_constraint(llm, model_d
     back: greedy outputs equal the plain engine's (with and without jump-forward), sampled ones validate."""
     spec = LLM(model_dir, speculative={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2})
     schema_prompt = ("Copy this JSON: " + json.dumps({"name": "Ada Lovelace", "age": 36}) + "\nJSON:")
-    for so in ({"json": PERSON}, {"json": PERSON, "jump_forward": False}, {"regex": NAME_RX}):
+    # a name of at most 6 characters: the guess ` Lovelace` is cut by the mask, the string closes and the grammar forces
+    # the next key right after a rejected guess, at positions whose KV held the rejected guesses
+    short = {**PERSON, "properties": {**PERSON["properties"], "name": {"type": "string", "maxLength": 6}}}
+    for so in ({"json": PERSON}, {"json": PERSON, "jump_forward": False}, {"json": short}, {"regex": NAME_RX}):
         params = SamplingParams(max_tokens=40, structured_outputs=so)
         fast = spec.generate(schema_prompt, params, raw=True)[0]
         plain = llm.generate(schema_prompt, params, raw=True)[0]
         assert fast.token_ids == plain.token_ids, (so, fast.text, plain.text)
         if "json" in so: assert fast.metrics["acceptance_rate"] > 0.5  # it guessed (the prompt holds the JSON)
+    # the KV bookkeeping, checked directly: every position a sequence counts as computed holds the KV of its token
+    fed, prepare = {}, spec.engine.runner.prepare
+    def recording_prepare(batch):
+        for s, n in batch:
+            for i, t in enumerate((s.token_ids + s.draft_ids)[s.num_computed:s.num_computed + n]):
+                fed.setdefault(s.id, {})[s.num_computed + i] = t
+        return prepare(batch)
+    spec.engine.runner.prepare = recording_prepare
+    seqs = spec.add_request(schema_prompt, SamplingParams(max_tokens=40, structured_outputs={"json": short}), raw=True)
+    while not seqs[0].finished:
+        spec.step()
+        s = seqs[0]
+        assert all(fed[s.id][i] == t for i, t in enumerate(s.token_ids[:s.num_computed])), (s.num_computed, len(s))
+    spec.engine.runner.prepare = prepare
     out = spec.generate(schema_prompt, SamplingParams(temperature=1.0, n=4, seed=2, max_tokens=40,
                                                       structured_outputs={"json": PERSON}), raw=True)[0]
     assert all(validates(s.text, PERSON) for s in out.samples if s.finish_reason == "stop")
