@@ -146,6 +146,24 @@ def test_two_machines_from_torchrun_environment(reference):
     assert front.stdout.strip() == str(want[0].token_ids)
 
 
+def test_no_rank_outlives_the_program(tmp_path):
+    "A script that never calls close(): the ranks it started are gone once it exits."
+    script = tmp_path / "leave.py"
+    script.write_text(textwrap.dedent("""
+        from minfer import LLM, SamplingParams
+        if __name__ == "__main__":
+            llm = LLM(tensor_parallel_size=2)
+            print(*[p.pid for p in llm.engine.procs.values()], flush=True)
+            print(llm.generate("Hi", SamplingParams(max_tokens=2), raw=True)[0].token_ids, flush=True)
+    """))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    pids = [int(p) for p in out.stdout.split("\n")[0].split()]
+    time.sleep(0.5)
+    assert len(pids) == 1 and not any(alive(p) for p in pids)
+
+
 @pytest.mark.parametrize("switches, words", [
     (dict(pd_split=True), "pd_split=True"), (dict(kernels="step"), "kernels='step'"),
     (dict(kv="contiguous"), "paged engine"), (dict(tensor_parallel_size=4), "whole heads")])
