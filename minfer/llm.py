@@ -17,7 +17,7 @@ import torch
 from .model import ModelConfig, Tokenizer
 from .sequence import SamplingParams, Sequence
 from .sampling import make_constraint
-from .engine import EngineConfig, build_model, build_engine
+from .engine import EngineConfig, build_model, build_engine, worker_engine
 from .cpu_step import StepLlama
 from .roofline import decode_bytes_per_token
 
@@ -61,8 +61,8 @@ class LLM:
         self.model_dir = Path(self.config.model)
         self.model_config = ModelConfig.from_folder(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)
-        # pd_split (chapter 11): the workers load the model; this process only routes and detokenizes
-        self.model = None if self.config.pd_split else build_model(self.config)
+        # an engine of worker processes (chapters 11, 13) loads the model there; this process routes and detokenizes
+        self.model = None if worker_engine(self.config) else build_model(self.config)
         self.engine = build_engine(self.config, self.model)
         eos = set(self.model_config.eos_token_id)
         if self.tokenizer.eos_token_id is not None: eos.add(self.tokenizer.eos_token_id)
