@@ -64,6 +64,8 @@ bench: install
 	$(BIN)/python benchmarks/bench_decode.py --record
 	$(BIN)/python benchmarks/bench_throughput.py --record
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python benchmarks/bench_speculative.py --repeats 3 --record
+	$(BIN)/python benchmarks/bench_tp.py --record
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python benchmarks/bench_structured.py --rounds 5
 
 bench-kernels: install
 	@for f in kernels/*.py; do echo "== $$f"; $(BIN)/python $$f || exit 1; done

@@ -2,16 +2,17 @@
 
 Modules:
 
-- `minfer.serve`: One engine thread stepping continuously; requests from many connections join it between steps and stream their tokens back through a queue each. `minfer serve` speaks OpenAI's API, so the `openai` package, `curl` and the chat page at `/` all talk to it."""
+- `minfer.serve`: One engine thread stepping continuously; requests from many connections join it between steps and stream their tokens back through a queue each. `minfer serve` speaks OpenAI's API, so the `openai` package, `curl` and the chat page at `/` all talk to it.
+- `minfer.structured`: Constrain the output to a JSON schema, a regex, a list of choices or a grammar: a mask on the logits before every draw, built from an automaton; where the automaton allows one continuation only, append it without a forward pass."""
 
 __version__ = "0.1.0"
 "minfer: learn and use the techniques behind fast LLM inference. The public API is `LLM` and `SamplingParams`."
 # Every chapter that fills a registry, in course order, so that `import minfer` sees every entry: weight formats (00a,
-# 08), attention backends and KV formats (03, 05a, 05b, 09), speculative methods (10), worker engines (11), model
-# families and RoPE scalings (12a), mixtures of experts (12b) and the
-# command line's subcommands (07c, 08). `minfer.serve` (07b) registers nothing and loads the web framework: it is
-# imported where it is used.
+# 08), attention backends and KV formats (03, 05a, 05b, 09), speculative methods (10), worker engines (11, 13), model
+# families and RoPE scalings (12a), mixtures of experts (12b), output constraints (14) and the command line's
+# subcommands (07c, 08). `minfer.serve` (07b) registers nothing and loads the web framework: it is imported where it is
+# used.
 from . import (model, paged, flash, cpu_kernels, cpu_step, engine, llm, cli, awq, kvquant, speculative, disagg,
-               families, moe)
+               families, moe, tp, structured)
 from .sampling import SamplingParams
 from .llm import LLM, RequestOutput, Completion

@@ -9,7 +9,7 @@ __all__ = ['COMMANDS', 'Command', 'main', 'add_generation_args', 'sampling_param
            'run_bench', 'run_serve']
 
 # %% ../nbs/07c_cli.ipynb #8360d8c4
-import argparse, sys
+import argparse, json, sys
 from dataclasses import dataclass
 from typing import Callable
 from .model import Registry
@@ -51,12 +51,19 @@ def add_generation_args(p):
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--structured-outputs", default=None, metavar="JSON",
+                   help='constrain the output (ch. 14), vLLM\'s shape: \'{"json": SCHEMA}\', \'{"regex": "..."}\', '
+                        '\'{"choice": ["yes", "no"]}\', \'{"grammar": "..."}\' or \'{"json_object": true}\'')
     p.add_argument("--metrics", action="store_true", help="print TTFT, TPOT, tokens/s and bytes/token")
 
 def sampling_params(a):
     "The `SamplingParams` of parsed flags."
+    structured = getattr(a, "structured_outputs", None)
+    if structured is not None:
+        try: structured = json.loads(structured)
+        except json.JSONDecodeError as e: raise ValueError(f"--structured-outputs is not valid JSON ({e})") from None
     return SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
-                          seed=a.seed, stop=a.stop)
+                          seed=a.seed, stop=a.stop, structured_outputs=structured)
 
 def print_metrics(m, file=sys.stderr):
     fmt = lambda v: "-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))

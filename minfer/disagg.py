@@ -281,6 +281,9 @@ class DisaggEngine:
     pulls its KV blocks straight from the prefill worker over torch.distributed; tokens stream back here.
     Every wait has a timeout; a worker that dies ends the requests in flight with finish_reason='error' and a
     `WorkerDied` from `step()`, after which the engine is closed. `close()` (or exit) stops both workers."""
+    @staticmethod
+    def wanted(config): return config.pd_split  # what makes `build_engine` pick this engine (chapter 06b)
+
     def __init__(self, config, *, timeout=60.0, start_timeout=300.0, prefill_overrides=None, decode_overrides=None):
         self.config, self.timeout = config, timeout
         ctx = mp.get_context("spawn")

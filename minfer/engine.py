@@ -7,8 +7,8 @@ Docs: https://minfer.github.io/minfer/engine.html.md"""
 # %% auto #0
 __all__ = ['SPECULATORS', 'CONFIG_RULES', 'AUTO_FIELDS', 'KERNELS', 'WORKER_ENGINES', 'ModelRunner', 'LLMEngine', 'step',
            'SpeculativeConfig', 'speculative_config', 'EngineConfig', 'parse_cores', 'usable_cores', 'Rule',
-           'auto_candidates', 'resolve_config', 'build_model', 'build_engine', 'make_workload', 'serve',
-           'workload_sequence', 'summarize', 'plot_gantt']
+           'auto_candidates', 'resolve_config', 'worker_engine', 'build_model', 'engine_options', 'build_engine',
+           'make_workload', 'serve', 'workload_sequence', 'summarize', 'plot_gantt']
 
 # %% ../nbs/06b_engine.ipynb #eca06449
 import json, math, os, random, time
@@ -42,14 +42,18 @@ class ModelRunner:
         self.ledger = Ledger(model.cfg, str(model.dtype).removeprefix("torch."), projection_bits=projection_bits)
 
     def run(self, batch, copies):
-        self.cache.copy_blocks(copies)
         tokens, positions, rows = self.prepare(batch)
         # always run the pass, even when no sequence needs logits: a prefill chunk's job is to write its KV
-        logits = self.model(tokens, positions, self.attn, logits_rows=rows)
+        logits = self.forward(tokens, positions, rows, copies)
         self.account(batch, len(rows))
         sampled = self.sample(batch, logits)
         self.ledger.generated(len(sampled))
         return sampled
+
+    def forward(self, tokens, positions, rows, copies):
+        "The pool's copy-on-write copies, then one pass of the model (chapter 13's runner sends both to other ranks)."
+        self.cache.copy_blocks(copies)
+        return self.model(tokens, positions, self.attn, logits_rows=rows)
 
     def prepare(self, batch):
         "-> tokens, positions [T] and the rows whose logits are needed; sets the attention's `BatchMeta`."
@@ -109,6 +113,7 @@ SPECULATORS = Registry("speculative method")
 
 class LLMEngine:
     "Continuous batching over a paged KV pool: `add` sequences, call `step()` until `has_unfinished()` is False."
+    runner_class = ModelRunner  # what does a step's work (chapter 13's engine runs a model split over processes)
     def __init__(self, model, *, block_size=16, kv_cache_bytes=2**30, max_num_seqs=64, max_num_batched_tokens=256,
                  prefix_cache=False, chunked_prefill=True, attention="torch", projection_bits=None, kv_dtype="auto",
                  speculative=None):
@@ -118,7 +123,7 @@ class LLMEngine:
         self.cache = kv_cache_from_budget(model.cfg, kv_cache_bytes, block_size, model.dtype, model.device, kv_dtype,
                                           max_num_seqs)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, prefix_cache, chunked_prefill)
-        self.runner = ModelRunner(model, self.cache, ATTENTION_BACKENDS[attention](self.cache), projection_bits)
+        self.runner = self.runner_class(model, self.cache, ATTENTION_BACKENDS[attention](self.cache), projection_bits)
         if speculative is not None: self.runner.speculator = SPECULATORS[speculative.method](speculative, self)
         self.history = []  # per step: (time, [(seq id, n, "prefill" | "decode")], blocks in use)
         self.t0 = time.perf_counter()
@@ -242,6 +247,7 @@ class EngineConfig:
         None, "speculative decoding (ch. 10): a method (ngram, draft), or JSON such as "
               "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"adaptive\": true}'")
     pd_split: bool = _switch(False, "prefill and decode on separate worker processes, KV sent between them (ch. 11)")
+    tensor_parallel_size: int = _switch(1, "processes the model's layers are split over, Megatron-style (ch. 13)")
     prefill_cores: str = _switch("auto",
                                  "CPU ids of the prefill worker (pd_split), e.g. '0' or '0-3'; auto: first half")
     decode_cores: str = _switch("auto", "CPU ids of the decode worker (pd_split), e.g. '1'; auto: the other half")
@@ -495,26 +501,34 @@ def resolve_config(config):
 KERNELS = {"torch": lambda model: model, "cpu": fuse_cpu_ops,
            "step": lambda model: fuse_decode_step(fuse_cpu_ops(model))}
 
-# Engines that run the model in worker processes of their own plug in here: the switch that asks for one -> its class,
-# built as cls(config) and driven like `LLMEngine` (add, step, abort, has_unfinished, stats, close). Chapter 11
-# registers pd_split's.
+# Engines that run the model in worker processes of their own plug in here: name -> class, built as cls(config) where
+# cls.wanted(config), and driven like `LLMEngine` (add, step, abort, has_unfinished, stats, close). Chapter 11
+# registers pd_split's, chapter 13 tensor parallelism's.
 WORKER_ENGINES = Registry("engine")
+
+def worker_engine(config):
+    "The `WORKER_ENGINES` class a resolved `config` asks for, or None (the model runs in this process)."
+    return next((cls for cls in WORKER_ENGINES.values() if cls.wanted(config)), None)
 
 def build_model(config):
     "The model a resolved `config` asks for: loaded by its weight format (chapter 00a), its kernels switched in."
     return KERNELS[config.kernels](load_model(config.model, config.dtype, config.device, weights=config.weights))
 
+def engine_options(config):
+    "`LLMEngine`'s keyword arguments for a resolved `config` (what its limits and switches ask of the engine)."
+    return dict(block_size=config.block_size, kv_cache_bytes=config.kv_cache_bytes, max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens, prefix_cache=config.prefix_cache,
+                chunked_prefill=config.chunked_prefill, attention=config.attention, kv_dtype=config.kv_dtype,
+                projection_bits=WEIGHT_FORMATS[config.weights].bits(config.dtype), speculative=config.speculative)
+
 def build_engine(config, model=None):
-    """The engine a resolved `config` asks for: a worker engine (chapter 11's pd_split, which loads the model in its
-    workers), `LLMEngine` over a paged pool, or chapter 02d's `SequentialEngine`; `model` from `build_model`."""
-    if config.pd_split: return WORKER_ENGINES["pd_split"](config)
-    projection_bits = WEIGHT_FORMATS[config.weights].bits(config.dtype)
-    if config.kv != "paged": return SequentialEngine(model, kv=config.kv, projection_bits=projection_bits)
-    return LLMEngine(model, block_size=config.block_size, kv_cache_bytes=config.kv_cache_bytes,
-                     max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                     prefix_cache=config.prefix_cache, chunked_prefill=config.chunked_prefill,
-                     attention=config.attention, projection_bits=projection_bits, kv_dtype=config.kv_dtype,
-                     speculative=config.speculative)
+    """The engine a resolved `config` asks for: a worker engine (chapter 11's pd_split, chapter 13's tensor parallelism:
+    they load the model in their own processes), `LLMEngine` over a paged pool, or chapter 02d's `SequentialEngine`;
+    `model` from `build_model` (None for a worker engine)."""
+    if worker_engine(config) is not None: return worker_engine(config)(config)
+    if config.kv != "paged":
+        return SequentialEngine(model, kv=config.kv, projection_bits=WEIGHT_FORMATS[config.weights].bits(config.dtype))
+    return LLMEngine(model, **engine_options(config))
 
 # %% ../nbs/06b_engine.ipynb #e634b784
 def make_workload(tokenizer, n, *, seed=0, arrival="all", rate=4.0, prompt_median=64, prompt_max=512, out_min=16, out_max=128, text=None):

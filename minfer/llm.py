@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 from .model import ModelConfig, Tokenizer
 from .sequence import SamplingParams, Sequence
-from .engine import EngineConfig, build_model, build_engine
+from .sampling import make_constraint
+from .engine import EngineConfig, build_model, build_engine, worker_engine
 from .cpu_step import StepLlama
 from .roofline import decode_bytes_per_token
 
@@ -60,8 +61,8 @@ class LLM:
         self.model_dir = Path(self.config.model)
         self.model_config = ModelConfig.from_folder(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)
-        # pd_split (chapter 11): the workers load the model; this process only routes and detokenizes
-        self.model = None if self.config.pd_split else build_model(self.config)
+        # an engine of worker processes (chapters 11, 13) loads the model there; this process routes and detokenizes
+        self.model = None if worker_engine(self.config) else build_model(self.config)
         self.engine = build_engine(self.config, self.model)
         eos = set(self.model_config.eos_token_id)
         if self.tokenizer.eos_token_id is not None: eos.add(self.tokenizer.eos_token_id)
@@ -104,7 +105,8 @@ def _as_list(x, what):
     raise ValueError(f"{what} must be a string or a non-empty list of strings, got {type(x).__name__}{' (empty)' if isinstance(x, (list, tuple)) else ''}")
 
 def _prepare(self, prompts, params, raw=True):
-    "Validate prompts and params; return [(prompt, token_ids, params)] without touching the engine."
+    """Validate prompts and params; return [(prompt, token_ids, params, constraint factory or None)] without touching
+    the engine."""
     prompts = _as_list(prompts, "prompts")
     params = params if params is not None else SamplingParams()
     params = params if isinstance(params, list) else [params] * len(prompts)
@@ -115,18 +117,30 @@ def _prepare(self, prompts, params, raw=True):
         if not p.strip(): raise ValueError(f"prompt {i} is empty; give at least one non-whitespace character")
         if not isinstance(sp, SamplingParams): raise ValueError(f"params must be SamplingParams, got {type(sp).__name__}")
         sp.validate()
+        constraint = self._constraint(sp)
         ids = self.tokenizer.encode(p if raw else self._render_chat([{"role": "user", "content": p}]))
         if len(ids) >= self.max_request_tokens:
             raise ValueError(f"prompt {i} is {len(ids)} tokens; at most {self.max_request_tokens - 1} fit (context window {self.max_model_len}, KV pool included)")
-        jobs.append((p, ids, sp))
+        jobs.append((p, ids, sp, constraint))
     return jobs
-LLM._prepare = _prepare
+
+def _constraint(self, params):
+    """The factory of `params`' output-constraint states (chapter 14 registers the kinds), or None; one line for a
+    spec that cannot run here, before any work."""
+    if params.structured_outputs is None: return None
+    if self.config.pd_split:
+        raise ValueError("structured_outputs: pd_split=True's decode worker samples without the constraint; "
+                         "serve constrained requests from an LLM without pd_split")
+    return make_constraint(params, self.tokenizer, self.eos_ids)
+LLM._prepare, LLM._constraint = _prepare, _constraint
 
 # %% ../nbs/07a_llm.ipynb #c5200462
-def _submit(self, prompt_ids, params):
+def _submit(self, prompt_ids, params, constraint=None):
+    "Queue `params.n` sequences of one prompt; `constraint`: the factory of their output-constraint states, or None."
     max_len = min(len(prompt_ids) + params.max_tokens, self.max_request_tokens)
     seqs = [Sequence(prompt_ids, params, self.tokenizer, self.eos_ids, max_len=max_len,
-                     seed=None if params.seed is None else params.seed + i) for i in range(params.n)]
+                     seed=None if params.seed is None else params.seed + i,
+                     constraint=None if constraint is None else constraint()) for i in range(params.n)]
     self.engine.add(seqs[0], forks=seqs[1:])  # on the paged engine the samples share the prompt's blocks
     return seqs
 
@@ -147,17 +161,17 @@ def generate(self, prompts, params=None, raw=None):
     A model with a chat template gets each prompt as one user turn unless raw=True (as Ollama's generate does);
     raw=True (the default for models without a template) continues the text as it is."""
     jobs = self._prepare(prompts, params, self._raw(raw))
-    groups = [self._submit(ids, sp) for _, ids, sp in jobs]
+    groups = [self._submit(ids, sp, make) for _, ids, sp, make in jobs]
     self._run(groups)
-    return [_output(p, g) for (p, _, _), g in zip(jobs, groups)]
+    return [_output(p, g) for (p, *_), g in zip(jobs, groups)]
 
 def _raw(self, raw): return self.tokenizer.chat_template is None if raw is None else bool(raw)
 
 # the stepping API a server's engine loop uses (one thread owns the LLM; requests join between steps)
 def add_request(self, prompt, params=None, raw=None):
     "Check and queue one prompt without running it; -> its `params.n` sequences. Then call `step()` until they finish."
-    (_, ids, sp), = self._prepare(prompt, params, self._raw(raw))
-    return self._submit(ids, sp)
+    (_, ids, sp, make), = self._prepare(prompt, params, self._raw(raw))
+    return self._submit(ids, sp, make)
 
 def step(self):
     "One engine step: -> the sequences that got a new token (read `stream_delta()`, `finished`, `finish_reason`)."
@@ -176,9 +190,9 @@ LLM.add_request, LLM.step, LLM.has_unfinished, LLM.abort = add_request, step, ha
 def stream(self, prompt, params=None, raw=None):
     "Yield text deltas for one prompt as they are generated (`raw` as in `generate`)."
     if not isinstance(prompt, str): raise ValueError(f"stream() takes one prompt string, got {type(prompt).__name__}")
-    (_, ids, sp), = self._prepare(prompt, params, self._raw(raw))
+    (_, ids, sp, make), = self._prepare(prompt, params, self._raw(raw))
     if sp.n != 1: raise ValueError(f"stream() produces one sample; got SamplingParams.n={sp.n}")
-    seq, = self._submit(ids, sp)
+    seq, = self._submit(ids, sp, make)
     try:
         while not seq.finished:
             self.engine.step()

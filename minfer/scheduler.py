@@ -145,21 +145,27 @@ def postprocess(self, batch, sampled):
     for each sequence whose last token was computed, each followed by its forks (further samples of its prompt, which
     start here by copy-on-write of its blocks). Appends the tokens, releases what finished.
     A verified speculative run (chapter 10) gives one sequence several tokens in a row; the KV of its rejected guesses
-    is rolled back (its block table truncated), and a stop inside the run drops the tokens after it.
+    is rolled back (its block table truncated), and a stop inside the run drops the tokens after it. Tokens an output
+    constraint forces after a sampled one (chapter 14's jump-forward) are appended too, and have no KV yet.
     -> the sequences that got a token."""
     for seq, n in batch: seq.num_computed += n
+    verified = {seq: len(seq) for seq, _ in batch if seq.draft_ids}  # tokens before this step's accepted run
     got = list(dict.fromkeys(seq for seq, _, _ in sampled))
     for seq in got:
         if seq.output_ids: seq.metrics.num_decode_passes += 1
-    for seq, token, logprobs in sampled:
+    last = {seq: i for i, (seq, _, _) in enumerate(sampled)}  # where each sequence's run of tokens ends
+    for i, (seq, token, logprobs) in enumerate(sampled):
         if seq.finished: continue  # stopped earlier in its accepted run
         if seq.forks: self._start_forks(seq)
-        seq.append(token, logprobs)
+        if seq in verified: verified[seq] += 1
+        seq.append(token, logprobs, jump=i == last[seq])  # forced tokens go after the run, not inside it
         seq.metrics.bytes_per_token = seq.bytes_moved / len(seq.output_ids)
     for seq, _ in batch:
         if not seq.draft_ids: continue
         seq.draft_ids, seq.draft_probs = [], None
-        seq.num_computed = min(seq.num_computed, len(seq) - 1)  # the last token's KV is written by the next step
+        # the KV kept: the accepted guesses' (the last accepted token's is written by the next step), never that of a
+        # rejected guess at a position a forced token now holds
+        seq.num_computed = min(seq.num_computed, verified[seq] - 1)
         if not seq.finished: seq.block_table.truncate(seq.num_computed)
     for seq in got:
         if seq.finished: self.finish(seq)

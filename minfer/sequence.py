@@ -72,6 +72,7 @@ class Sequence:
     max_len: int | None = None         # prompt + generated tokens at most (default: prompt + max_tokens)
     seed: int | None = None            # None: params.seed, else a random one
     request_id: int | None = None      # the request this sample belongs to (n > 1: several sequences share it)
+    constraint: object = None          # its output constraint's state (chapter 14): masks logits, follows the tokens
     # state
     id: int = field(init=False)
     output_ids: list = field(init=False, default_factory=list)
@@ -119,14 +120,18 @@ class Sequence:
         "The random generator for the next token (or one `ahead` of it): seeded by (seed, its index in the output)."
         return torch.Generator().manual_seed((self.seed * 1_000_003 + len(self.output_ids) + ahead) % 2**63)
 
-    def append(self, token, logprobs=None):
-        "Add a generated token (and its logprobs entry); update text, stop state and timings."
+    def append(self, token, logprobs=None, jump=True):
+        """Add a generated token (and its logprobs entry); update text, stop state and timings. An output constraint
+        advances on it and may force the tokens after it: with `jump` they are appended at once, without a forward pass
+        of their own (jump-forward decoding, chapter 14); the next step computes their KV as it does a prompt's. (Not
+        after a forced token, nor inside a verified speculative run of tokens: only after its last, chapter 10.)"""
         now = time.perf_counter()
         if not self.output_ids: self.metrics.first_token_time = now
         self.output_ids.append(token)
         if self.logprobs is not None: self.logprobs.append(logprobs)
         self.metrics.num_generated_tokens = len(self.output_ids)
         if token in self.eos_ids: return self._finish("stop", now)
+        if self.constraint is not None: self.constraint.accept(token)
         if self.tokenizer is not None:
             self._detokenize()
             for s in self.params.stop:
@@ -137,7 +142,13 @@ class Sequence:
                     return self._finish("stop", now)
         if len(self.output_ids) >= self.params.max_tokens or len(self) >= self.max_len:
             if self.tokenizer is not None: self._detokenize(final=True)
-            self._finish("length", now)
+            return self._finish("length", now)
+        if self.constraint is not None and self.constraint.done:  # the structure is complete: nothing may follow
+            if self.tokenizer is not None: self._detokenize(final=True)
+            return self._finish("stop", now)
+        if self.constraint is None or not jump: return
+        for t in self.constraint.forced():
+            if not self.finished: self.append(t, None if self.logprobs is None else {}, jump=False)
 
     def _detokenize(self, final=False):
         ids = self.output_ids

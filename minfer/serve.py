@@ -8,13 +8,14 @@ Docs: https://minfer.github.io/minfer/serve.html.md"""
 
 # %% auto #0
 __all__ = ['MAX_LOGPROBS', 'CHAT_PAGE', 'APIError', 'StreamOptions', 'CompletionRequest', 'ChatMessage', 'ChatRequest',
-           'parse_request', 'sampling_params', 'completion_prompts', 'chat_messages', 'Update', 'Event', 'Job',
-           'EngineLoop', 'ServerMetrics', 'completion_logprobs', 'chat_logprobs', 'sse', 'running_switches',
-           'OpenAIServer', 'bind_socket', 'ServerThread', 'serve_in_thread', 'add_serve_args', 'llm_from_args',
-           'serve_main', 'main']
+           'parse_request', 'structured_outputs', 'sampling_params', 'completion_prompts', 'chat_messages', 'Update',
+           'Event', 'Job', 'EngineLoop', 'ServerMetrics', 'completion_logprobs', 'chat_logprobs', 'sse',
+           'running_switches', 'OpenAIServer', 'bind_socket', 'ServerThread', 'serve_in_thread', 'add_serve_args',
+           'llm_from_args', 'serve_main', 'main']
 
 # %% ../nbs/07b_serve.ipynb #7344458a
-import argparse, asyncio, contextlib, dataclasses, json, queue, re, socket, sys, threading, time, traceback, uuid
+import argparse, asyncio, contextlib, dataclasses, json, os, queue, re, secrets, socket, sys, threading, time
+import traceback, uuid
 from pathlib import Path
 from typing import Any, Literal
 
@@ -63,6 +64,8 @@ class _SamplingFields(_Strict):
     frequency_penalty: float | None = None
     logit_bias: dict | None = None
     user: str | None = None
+    response_format: Any = None      # OpenAI's: {"type": "json_schema", "json_schema": {"name", "schema"}}, json_object
+    structured_outputs: Any = None   # vLLM's: {"json": schema} or json_object, regex, choice, grammar (chapter 14)
 
 class CompletionRequest(_SamplingFields):
     "The body of `POST /v1/completions`."
@@ -118,6 +121,28 @@ def _refuse_unsupported(req):
         if req.suffix: raise APIError("suffix: not supported by minfer (no fill-in-the-middle)", "suffix")
         if req.best_of not in (None, req.n): raise APIError("best_of: not supported by minfer; use n", "best_of")
 
+def structured_outputs(req):
+    """The request's output constraint as `SamplingParams.structured_outputs`: OpenAI's `response_format` (json_schema,
+    json_object; text is none) or vLLM's `structured_outputs` as it is; None without one."""
+    rf, so = req.response_format, req.structured_outputs
+    if rf is not None and so is not None:
+        raise APIError("response_format, structured_outputs: send one of them, not both", "response_format")
+    if so is not None:
+        if not isinstance(so, dict): raise APIError("structured_outputs: must be an object such as "
+                                                    '{"json": {...}} or {"choice": ["a", "b"]}', "structured_outputs")
+        return so
+    if rf is None: return None
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind not in ("text", "json_object", "json_schema"):
+        raise APIError(f"response_format.type: use 'text', 'json_object' or 'json_schema', got {json.dumps(kind)}",
+                       "response_format.type")
+    if kind == "text": return None
+    if kind == "json_object": return {"json_object": True}
+    spec = rf.get("json_schema")
+    if not isinstance(spec, dict): raise APIError('response_format.json_schema: must be an object {"name": ..., '
+                                                  '"schema": {...}}', "response_format.json_schema")
+    return {"json": spec["schema"]} if spec.get("schema") is not None else {"json_object": True}
+
 def sampling_params(req, max_tokens, logprobs=None):
     "The request's sampling fields as `SamplingParams`; its one-line ValueError becomes a 400 naming the field."
     _refuse_unsupported(req)
@@ -126,7 +151,7 @@ def sampling_params(req, max_tokens, logprobs=None):
     fields = dict(temperature=1.0 if req.temperature is None else req.temperature,
                   top_p=1.0 if req.top_p is None else req.top_p, top_k=0 if req.top_k is None else req.top_k,
                   max_tokens=max_tokens, seed=req.seed, stop=_stop_list(req.stop), n=req.n, ignore_eos=req.ignore_eos,
-                  logprobs=logprobs)
+                  logprobs=logprobs, structured_outputs=structured_outputs(req))
     try:
         return SamplingParams(**fields)
     except ValueError as e:
@@ -434,9 +459,12 @@ def running_switches(llm):
     return {f.name: getattr(llm.config, f.name) for f in dataclasses.fields(llm.config) if f.name != "model"}
 
 class OpenAIServer:
-    "An OpenAI-compatible HTTP API over one `LLM`; `.app` is the ASGI app (serve it with uvicorn)."
-    def __init__(self, llm, served_model_name=None):
+    """An OpenAI-compatible HTTP API over one `LLM`; `.app` is the ASGI app (serve it with uvicorn). With `api_key`,
+    every `/v1` request must send `Authorization: Bearer <api_key>` (401 otherwise); `/health`, `/metrics` and the chat
+    page stay open (the page asks for the key)."""
+    def __init__(self, llm, served_model_name=None, api_key=None):
         self.llm, self.model_name = llm, served_model_name or Path(llm.model_dir).name
+        self.api_key = api_key or None
         self.engine = EngineLoop(llm)
         self.metrics = self.engine.metrics = ServerMetrics(lambda: self.engine.stats)
         self.switches, self.engine_repr = running_switches(llm), repr(llm)
@@ -454,12 +482,22 @@ class OpenAIServer:
             str(e.detail), None, e.status_code, http_error_type(e.status_code)).response())
         app.add_exception_handler(Exception, lambda request, e: APIError(
             f"internal error: {e}", None, 500, "internal_server_error").response())
+        app.middleware("http")(self._check_key)
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat_completions)
         app.get("/v1/models")(self.models)
         app.get("/health")(self.health)
         app.get("/metrics")(self.prometheus)
         app.get("/", response_class=HTMLResponse)(self.chat_page)
+
+    async def _check_key(self, request, call_next):
+        "vLLM's and llama.cpp's `--api-key`: the OpenAI API needs the key; compared in constant time."
+        if self.api_key is not None and request.url.path.startswith("/v1"):
+            sent = request.headers.get("authorization", "")
+            if not secrets.compare_digest(sent.encode(), f"Bearer {self.api_key}".encode()):
+                return APIError("invalid or missing API key: send the header 'Authorization: Bearer <key>'", None, 401,
+                                "invalid_request_error", "invalid_api_key").response()
+        return await call_next(request)
 
     async def completions(self, request: Request):
         return await self._serve(request, chat=False)
@@ -493,10 +531,20 @@ class OpenAIServer:
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
             if logprobs is not None and logprobs > MAX_LOGPROBS:
                 raise APIError(f"top_logprobs: use an integer in [0, {MAX_LOGPROBS}]", "top_logprobs")
-            return Job([chat_messages(req.messages)], sampling_params(req, max_tokens, logprobs), True, logprobs)
+            return Job([chat_messages(req.messages)], self._params(req, max_tokens, logprobs), True, logprobs)
         prompts = completion_prompts(req.prompt)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's legacy default
-        return Job(prompts, sampling_params(req, max_tokens, req.logprobs), False, req.logprobs)
+        return Job(prompts, self._params(req, max_tokens, req.logprobs), False, req.logprobs)
+
+    def _params(self, req, max_tokens, logprobs):
+        "`sampling_params`, with its output constraint compiled here (cached for the engine thread): a 400 before work."
+        params = sampling_params(req, max_tokens, logprobs)
+        try:
+            self.llm._constraint(params)
+        except ValueError as e:
+            field = "response_format" if req.response_format is not None else "structured_outputs"
+            raise APIError(str(e), field) from None
+        return params
 
     async def _serve(self, request, chat):
         endpoint = "chat" if chat else "completions"
@@ -614,10 +662,18 @@ input[type=number] { width: 60px; }
 "use strict";
 const $ = (id) => document.getElementById(id);
 let conversation = [], model = null, controller = null;
+let apiKey = sessionStorage.getItem("minfer-api-key");  // a server started with --api-key asks for it once
+const withKey = (headers) => apiKey ? {...headers, Authorization: "Bearer " + apiKey} : headers;
 
 async function loadEngine() {
-  const [models, health] = await Promise.all([fetch("/v1/models").then(r => r.json()),
-                                              fetch("/health").then(r => r.json())]);
+  let listed = await fetch("/v1/models", {headers: withKey({})});
+  if (listed.status === 401) {
+    apiKey = window.prompt("This server needs an API key:") || "";
+    sessionStorage.setItem("minfer-api-key", apiKey);
+    listed = await fetch("/v1/models", {headers: withKey({})});
+  }
+  if (!listed.ok) throw new Error((await listed.json()).error.message);
+  const [models, health] = await Promise.all([listed.json(), fetch("/health").then(r => r.json())]);
   model = models.data[0].id;
   const switches = Object.entries(health.switches).map(([k, v]) => k + "=" + v).join(" · ");
   $("engine").textContent = model + " — " + switches;
@@ -667,7 +723,7 @@ async function send(text) {
     const request = {model, messages: conversation, stream: true, stream_options: {include_usage: true},
                      temperature: Number($("temperature").value), max_tokens: Number($("max-tokens").value)};
     const resp = await fetch("/v1/chat/completions", {method: "POST", signal: controller.signal,
-      headers: {"Content-Type": "application/json"}, body: JSON.stringify(request)});
+      headers: withKey({"Content-Type": "application/json"}), body: JSON.stringify(request)});
     if (!resp.ok) throw new Error((await resp.json()).error.message);
     const reader = resp.body.getReader(), decoder = new TextDecoder();
     let buffer = "";
@@ -746,8 +802,8 @@ def bind_socket(host="127.0.0.1", port=0):
 
 class ServerThread:
     "A running server in a background thread: `.url`, `.server` (the OpenAIServer) and `.stop()`; a context manager."
-    def __init__(self, llm, host="127.0.0.1", port=0, served_model_name=None, log_level="warning"):
-        self.server = OpenAIServer(llm, served_model_name)
+    def __init__(self, llm, host="127.0.0.1", port=0, served_model_name=None, log_level="warning", api_key=None):
+        self.server = OpenAIServer(llm, served_model_name, api_key)
         self.sock = bind_socket(host, port)
         self.url = f"http://{host}:{self.sock.getsockname()[1]}"
         config = uvicorn.Config(self.server.app, log_level=log_level, timeout_graceful_shutdown=2)
@@ -778,6 +834,8 @@ def add_serve_args(parser):
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     parser.add_argument("--served-model-name", default=None, help="the `model` clients send (default: folder name)")
     parser.add_argument("--log-level", default="warning", help="uvicorn's log level (info logs every request)")
+    parser.add_argument("--api-key", default=os.environ.get("MINFER_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1 requests (default: $MINFER_API_KEY; none)")
     add_engine_args(parser.add_argument_group("engine switches"))
     return parser
 
@@ -793,7 +851,7 @@ def serve_main(args):
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"minfer serve: error: {e}", file=sys.stderr)
         return 2
-    server = OpenAIServer(llm, args.served_model_name)
+    server = OpenAIServer(llm, args.served_model_name, args.api_key)
     host, port = sock.getsockname()[:2]
     print(f"minfer serve: {llm!r}\nminfer serve: ready on http://{host}:{port} (chat page at /, OpenAI API under /v1)",
           file=sys.stderr, flush=True)

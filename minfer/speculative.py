@@ -6,7 +6,8 @@ Docs: https://minfer.github.io/minfer/speculative.html.md"""
 
 # %% auto #0
 __all__ = ['STEP_TIMES', 'ngram_propose', 'NgramProposer', 'rejection_sample', 'expected_tokens', 'speculation_lengths',
-           'step_time', 'update_alpha', 'Speculator', 'NgramSpeculator', 'DraftProposer', 'DraftSpeculator']
+           'step_time', 'update_alpha', 'constrained_rows', 'Speculator', 'NgramSpeculator', 'DraftProposer',
+           'DraftSpeculator']
 
 # %% ../nbs/10_speculative.ipynb #ec3acfc9
 import numpy as np
@@ -104,6 +105,19 @@ def update_alpha(alpha, k, accepted, decay=0.8):
     return step if alpha is None else decay * alpha + (1 - decay) * step
 
 # %% ../nbs/10_speculative.ipynb #846dced1
+def constrained_rows(constraint, logits, guesses):
+    """Verify rows under an output constraint: row j masked by the constraint's state after guesses[:j]. The state walks
+    the guesses it allows and is rolled back at once, so it advances only when the accepted tokens are appended. A
+    guess it forbids has probability 0 in its row and is rejected there; the rows after it are never read."""
+    rows, walked = [], 0
+    for j in range(len(guesses) + 1):
+        rows.append(constraint.mask(logits[j]))
+        if j == len(guesses) or not torch.isfinite(rows[-1][guesses[j]]): break
+        constraint.accept(guesses[j])
+        walked += 1
+    constraint.rollback(walked)
+    return torch.cat([torch.stack(rows), logits[len(rows):]])
+
 class Speculator:
     """The engine's half of speculative decoding (chapter 06b calls it): before each step `propose` gives every decoding
     sequence up to k guesses (`seq.draft_ids`), the scheduler runs 1 + k tokens for it, and the runner hands the k + 1
@@ -140,8 +154,10 @@ class Speculator:
         for s, k in zip(seqs, ks): s.draft_ids = s.draft_ids[:k]
 
     def verify(self, seq, logits):
-        "logits [k + 1, vocab]: row j is the target's prediction for output position j of this step."
-        drafts, params = seq.draft_ids, seq.params
+        """logits [k + 1, vocab]: row j is the target's prediction for output position j of this step. Under an output
+        constraint (chapter 14) row j is masked as the constraint stands after guesses 1..j (`constrained_rows`)."""
+        drafts, params, raw = seq.draft_ids, seq.params, logits
+        if seq.constraint is not None: logits = constrained_rows(seq.constraint, logits, drafts)
         if params.temperature == 0:  # greedy: accept while the guess is the target's argmax, exactly `sample`'s choice
             out = []
             for j, d in enumerate(drafts + [None]):
@@ -157,7 +173,7 @@ class Speculator:
         m.num_draft_tokens, m.num_accepted_tokens = m.num_draft_tokens + len(drafts), m.num_accepted_tokens + accepted
         seq.spec_alpha = update_alpha(seq.spec_alpha, len(drafts), accepted)
         k = params.logprobs
-        entries = [None] * len(out) if k is None else logprob_entries(logits[:len(out)], out, k)
+        entries = [None] * len(out) if k is None else logprob_entries(raw[:len(out)], out, k)  # the model's own
         return [(seq, t, e) for t, e in zip(out, entries)]
 
 class NgramSpeculator(Speculator):

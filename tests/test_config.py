@@ -10,11 +10,11 @@ from minfer.engine import EngineConfig, CONFIG_RULES, SpeculativeConfig
 from minfer.cpu_kernels import cxx_compiler
 
 SWITCHES = ("kv", "dtype", "device", "weights", "kernels", "attention", "kv_dtype", "speculative", "pd_split",
-            "prefix_cache", "chunked_prefill")
+            "prefix_cache", "chunked_prefill", "tensor_parallel_size")
 
 # why a value set alone may still be refused here: this machine, or what the model folder holds
 MACHINE_OR_FOLDER = [r"no CUDA device", r"C\+\+ compiler", r"Triton's interpreter", r"holds plain weights",
-                     r"needs a draft model folder", r"set pd_split=True"]
+                     r"needs a draft model folder", r"set pd_split=True", r"cannot be split in whole heads"]
 
 
 def values(f):
@@ -23,6 +23,7 @@ def values(f):
     choices = choices() if callable(choices) else choices
     if choices is not None: return [v for v in choices if v != "auto"]
     if f.type is bool: return [True, False]
+    if f.name == "tensor_parallel_size": return [1, 2, 3, 4]  # 4 does not split SmolLM2's 3 KV heads
     if f.type is int: return [1, 16, 4096]
     return {"speculative": ["ngram", "draft", {"method": "ngram", "num_speculative_tokens": 2, "adaptive": True}],
             "prefill_cores": ["0"], "decode_cores": ["0"], "model": [None]}[f.name]

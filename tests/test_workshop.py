@@ -1,7 +1,7 @@
 """Workshop mode: every exercise's check fails on the student stub and passes with the solution restored.
 
 For each exercise, a fresh IPython shell (execnb's, as nbdev-test uses) runs only the cells the exercise and its check
-need (`workshop.setup_cells`: cells with imports, the latest cell defining each name they read and the cells that
+need (`workshop.setup_cells`: cells of imports only, the latest cell defining each name they read and the cells that
 attach methods to it), then the stub and the check (must raise), then the solution and the check (must pass).
 """
 import ast, gc, os, sys
@@ -61,6 +61,15 @@ def test_setup_keeps_cells_that_attach_methods():
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     ex = workshop.Exercise(Path("x.ipynb"), cell=4, check=5, functions=["f"], hint=None)
     assert workshop.setup_cells(nb, ex) == [0, 1, 2]
+
+
+def test_setup_skips_a_measurement_that_only_imports_on_the_way():
+    "A cell that imports and then measures is set up only if the exercise needs what it defines; pure imports always."
+    cells = ["import math", "from time import perf_counter\nslow = [perf_counter() for _ in range(3)]",
+             "from os import sep\nneeded = sep", "#| exercise\ndef f(): return needed", "assert f()"]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    ex = workshop.Exercise(Path("x.ipynb"), cell=3, check=4, functions=["f"], hint=None)
+    assert workshop.setup_cells(nb, ex) == [0, 2]
 
 
 def test_workshop_writes_student_copies(tmp_path):

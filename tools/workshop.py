@@ -233,11 +233,19 @@ def _names(source: str):
     return defs, uses | (inner - defs), imports, _attribute_bases(tree)
 
 
+def _only_imports(source: str) -> bool:
+    "Whether every top-level statement of a cell is an import."
+    try: body = ast.parse(_python(source)).body
+    except SyntaxError: return False
+    return all(isinstance(n, (ast.Import, ast.ImportFrom)) for n in body)
+
+
 def setup_cells(nb, ex: Exercise) -> list[int]:
-    """Indices of the code cells before exercise `ex` that it and its check need, in notebook order: every cell with a
-    top-level import, and (transitively, walking backwards) the latest cell defining each name they read, plus every
-    cell in between that sets an attribute of one (`Scheduler.schedule = schedule`: methods attached after the class).
-    Cells flagged notest/gpu/slow and nbdev's export call are never run."""
+    """Indices of the code cells before exercise `ex` that it and its check need, in notebook order: every cell of
+    imports only (an import may register something), and (transitively, walking backwards) the latest cell defining
+    each name they read, plus every cell in between that sets an attribute of one (`Scheduler.schedule = schedule`:
+    methods attached after the class). A cell that imports and then measures something is run only if a name it
+    defines is needed. Cells flagged notest/gpu/slow and nbdev's export call are never run."""
     _, need, _ = names(nb.cells[ex.cell].source)
     need |= names(nb.cells[ex.check].source)[1]
     keep = []
@@ -245,7 +253,7 @@ def setup_cells(nb, ex: Exercise) -> list[int]:
         c = nb.cells[i]
         if c.cell_type != "code" or _TEST_FLAGS.search(c.source) or "nbdev_export()" in c.source: continue
         defs, uses, imports, extends = _names(c.source)
-        if imports or defs & need or extends & need:
+        if (imports and _only_imports(c.source)) or defs & need or extends & need:
             keep.append(i)
             need = (need - defs) | uses
     return keep[::-1]

@@ -1,0 +1,44 @@
+"""The course's prose teaches; it is not a build log. Markdown cells never speak of sessions, issues, engineers, "this
+VM", the clock of a record or earlier versions of a chapter: where a number comes from is named by the machine and
+the record in `benchmarks/`, and what a chapter leaves out is said as part of the subject, not as a to-do list."""
+import json, re
+from pathlib import Path
+
+NBS = Path(__file__).resolve().parent.parent / "nbs"
+
+BUILD_LOG = [
+    r"\b(this|that|the|a previous|an earlier|the last|the next) session\b",
+    r"\b(the|this|an?) issue('s)?\b", r"\bissues? #?\d+",
+    r"\bengineers?('s|s')?\b",
+    r"\b(this|the|our) VM\b", r"\bVM's\b",
+    r"\b(an? )?(earlier|previous|older|first) version of this (chapter|notebook)\b",
+    r"\brecord of \d\d:\d\d\b",
+    r"\bnot built yet\b", r"\bTODO\b", r"\bFIXME\b",
+    r"\bwe did not (dig|get to|have time)\b",
+]
+PATTERN = re.compile("|".join(f"(?:{p})" for p in BUILD_LOG), re.IGNORECASE)
+
+
+def build_log_phrases(text):
+    return [m.group(0) for m in PATTERN.finditer(text)]
+
+
+def test_chapter_prose_is_not_a_build_log():
+    found = []
+    for nb in sorted(NBS.glob("*.ipynb")):
+        for i, cell in enumerate(json.loads(nb.read_text())["cells"]):
+            if cell["cell_type"] != "markdown": continue
+            text = "".join(cell["source"])
+            found += [f"{nb.name} cell {i}: {phrase!r}" for phrase in build_log_phrases(text)]
+    assert not found, "build-log words in chapter prose:\n" + "\n".join(found)
+
+
+def test_the_check_can_fail():
+    "Phrases the course once had are caught; ordinary English and a workshop's session are not."
+    caught = ["no GPU in this session", "inside the issue's 5% bound", "shared with four other engineers' jobs",
+              "the speed of this VM", "An earlier version of this chapter weighed", "the record of 07:26",
+              "## What is not built yet"]
+    assert all(build_log_phrases(s) for s in caught), [s for s in caught if not build_log_phrases(s)]
+    fine = ["For a hands-on session, `make workshop` writes student copies", "the tissue of the argument",
+            "a 2-core Xeon VM under other work", "an engineering trade-off"]
+    assert not any(build_log_phrases(s) for s in fine), [s for s in fine if build_log_phrases(s)]
