@@ -356,3 +356,26 @@ def test_kv_bytes_read_and_expected_experts():
     assert kv_bytes_read(cfg, 100, "float32") == per_layer * (8 + 100 + 8 + 100)
     assert kv_bytes_read(cfg, 4, "float32") == per_layer * 4 * 4
     assert expected_experts(8, 2, 1) == 2 and abs(expected_experts(128, 8, 64) - 125.9) < 0.05
+
+
+@pytest.mark.parametrize("name", ["llama_linear", "qwen2", "gemma2", "phi3"])
+def test_tensor_parallel_splits_each_family(tiny, name):
+    """Chapter 13 on the families: biases on column-parallel rows (sliced) and on row-parallel projections (added once,
+    after the all-reduce), windows, soft-caps, sandwich norms, a checkpoint's fused q/k/v, partial rotary: two ranks
+    give transformers' prompt log-probs within 1e-4 and its greedy tokens."""
+    folder, ref = tiny(name)
+    with LLM(str(folder), dtype="float32", kernels="torch", tensor_parallel_size=2) as llm:
+        out, = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=1, prompt_logprobs=0), raw=True)
+        ids = torch.tensor(out.prompt_token_ids)
+        with torch.inference_mode(): want = torch.log_softmax(ref(ids[None]).logits[0].float(), -1)
+        got = [next(iter(d.values())) for d in out.prompt_logprobs[1:]]
+        err = max(abs(g - want[i, int(ids[i + 1])].item()) for i, g in enumerate(got))
+        assert err < 1e-4, f"tensor-parallel prompt log-probs {err:.1e} from transformers'"
+        assert_greedy(llm, ref)
+
+
+def test_tensor_parallel_refuses_a_mixture_of_experts(tiny):
+    folder, _ = tiny("mixtral")
+    with pytest.raises(ValueError, match="expert parallelism") as e:
+        EngineConfig(model=str(folder), tensor_parallel_size=2).resolve()
+    assert "\n" not in str(e.value)
