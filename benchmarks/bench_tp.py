@@ -69,7 +69,7 @@ def main(argv=None):
         step, tps = statistics.median(x[0] for x in r), statistics.median(x[1] for x in r)
         comm = statistics.median(x[2] for x in r) if n > 1 else None
         bytes_ = tp_bytes_per_token(cfg, n, "float32", batch=b)
-        floor = bw / (bytes_["weights"] * n) * b  # n ranks read n slices from the one memory per step
+        floor = bw / (bytes_["weights"] * n)  # tokens/s: n ranks read n slices of the step from the one memory
         lines.append(f"| {n} | {b} | {step * 1e3:.1f} | {tps:.1f} | {'-' if comm is None else f'{comm:.0%}'} | "
                      f"{bytes_['weights'] * b / 1e6:.0f} MB | {bytes_['wire'] * b / 1e3:.0f} kB | {floor:.1f} |")
     text = "\n".join(lines) + "\n"
