@@ -309,7 +309,9 @@ class TritonAttention(PagedAttention):
         if meta.max_seqlen_q == 1 and q.shape[0] == meta.seq_lens.shape[0]:
             if hasattr(k_cache, "kernel_tensors"):  # chapter 09's int4 pool
                 return decode_attention(q, None, None, meta.block_tables, meta.seq_lens, int4=k_cache.kernel_tensors())
-            if quantized:
+            if quantized:  # keys stored rotated (chapter 09's fp8): turn the query instead, (q R) . y = q . (y R^T)
+                rotation = k_cache.rotation
+                q = q if rotation is None else (q.float() @ rotation).to(q.dtype)
                 return decode_attention(q, k_cache.codes, v_cache.codes, meta.block_tables, meta.seq_lens,
                                         k_scale=k_cache.scales, v_scale=v_cache.scales)
             return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens)

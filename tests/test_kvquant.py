@@ -15,7 +15,7 @@ import pytest, torch
 if not torch.cuda.is_available(): os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 from minfer.paged import KV_FORMATS, kv_cache_from_budget, kv_token_bytes
-from minfer.kvquant import (QuantizedKVCache, Int4KVCache, kv_quality,
+from minfer.kvquant import (QuantizedKVCache, Int4KVCache, kv_quality, key_rotation, KVFormat,
                             kv_logprobs, pack_int4, unpack_int4)
 from minfer.paged import PagedKVCache, PagedAttention, BlockTable, build_batch_meta
 from minfer.model import attend
@@ -53,6 +53,28 @@ def test_fp8_round_trip_keeps_three_mantissa_bits():
     # e4m3: relative rounding error <= 2^-4 for normal numbers; below 2^-6 (subnormal) the spacing is 2^-9 (of the scale)
     assert (err <= torch.maximum(x.abs() * 2**-4, scale * 2**-10) * (1 + 1e-6)).all()
     assert torch.isfinite(KV_FORMATS["fp8"].dequantize(codes, scales)).all()
+
+
+@pytest.mark.parametrize("d", [64, 96])
+def test_key_rotation_is_orthogonal(d):
+    "Hadamard where head_dim is a power of two (entries +-1/sqrt(d)), a random orthogonal matrix otherwise."
+    R = key_rotation(d)
+    assert torch.allclose(R @ R.T, torch.eye(d), atol=1e-5)
+    if d == 64: assert torch.allclose(R.abs(), torch.full((d, d), d ** -0.5))
+
+
+def test_fp8_pool_stores_keys_turned_and_reads_them_back():
+    """The fp8 pool holds each key times key_rotation (its codes are the format's codes of k R, not of k) and hands
+    attention k back: (codes * scale) R^T, within fp8's error of the key. Values are stored as they are."""
+    k, v = sample(seed=1), sample(seed=2)
+    cache = QuantizedKVCache(CFG, 50, 4, kv_dtype="fp8")
+    cache.store(0, torch.arange(len(k)), k, v)
+    R = key_rotation(CFG.head_dim)
+    codes, _ = KV_FORMATS["fp8"].quantize(k @ R)
+    assert torch.equal(cache.k[0].flatten(0, 1)[:len(k)].float(), codes.float())
+    keys, values = (x.view(-1, CFG.num_key_value_heads, CFG.head_dim)[:len(k)] for x in cache.layer(0))
+    assert torch.allclose(keys, k, atol=2**-4 * (k @ R).abs().amax().item())
+    assert torch.equal(values, dequantized(v, "fp8"))
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
@@ -130,15 +152,29 @@ def quality(model, tokenizer):
 
 def test_quality_on_held_out_text_within_the_measured_table(quality):
     """256 tokens of data/text/evaluation.txt in chunks of 32 (later chunks read stored, quantized KV). The chapter's
-    table (1,024 tokens) measured int8 +0.02% perplexity, fp8 +1.2%; on these 256 tokens +0.15% and +2.0%. Bounds: the
-    issue's targets for int8 (0.5%); fp8 2.5% on this short text (target 1.5%, met on the 1,024-token table)."""
+    table (1,024 tokens) measured int8 -0.13% perplexity, fp8 (keys rotated) +0.19%; on these 256 tokens +0.0% and
+    +0.48%. Bounds: the targets, int8 0.5%, fp8 1.5%."""
     assert abs(quality["int8"]["ppl_change_pct"]) < 0.5 and quality["int8"]["kl_mean"] < 0.002
-    assert abs(quality["fp8"]["ppl_change_pct"]) < 2.5 and quality["fp8"]["kl_mean"] < 0.01
+    assert abs(quality["fp8"]["ppl_change_pct"]) < 1.5 and quality["fp8"]["kl_mean"] < 0.01
     assert quality["int8"]["same_top1"] > 0.97 and quality["fp8"]["same_top1"] > 0.93
     assert quality["int8"]["kl_mean"] < quality["fp8"]["kl_mean"]  # 8 bits of mantissa-like steps beat 3
     # int4: measured KL mean 0.0055 and 95.3% same top-1 here (fp8 0.0046 and 95.3%)
     assert abs(quality["int4"]["ppl_change_pct"]) < INT4_PPL_BOUND and quality["int4"]["kl_mean"] < 0.015
     assert quality["int4"]["same_top1"] > 0.9 and quality["int8"]["kl_mean"] < quality["int4"]["kl_mean"]
+
+
+@pytest.mark.parametrize("text", ["evaluation.txt", "course.txt"])
+def test_fp8_within_its_bound_on_two_texts_and_rotation_pays(model, tokenizer, quality, text, monkeypatch):
+    """fp8 within 1.5% of full precision's perplexity on two different texts (256 tokens each; measured +0.48% and
+    -1.11%; on 1,024 tokens +0.19% and +0.25%), and its KL to full precision below 0.9 of the same format with keys
+    not rotated (measured 0.78 and 0.80 of it here; 0.64 and 0.70 on 1,024 tokens)."""
+    from minfer.awq import text_path
+    monkeypatch.setitem(KV_FORMATS, "fp8_plain", KVFormat("fp8_plain", torch.float8_e4m3fn, 448.0))
+    ids = tokenizer.encode(text_path(text).read_text())[:256]
+    q = kv_quality(model, ids, ["fp8_plain"] + ([] if text == "evaluation.txt" else ["fp8"]))
+    fp8 = quality["fp8"] if text == "evaluation.txt" else q["fp8"]
+    assert abs(fp8["ppl_change_pct"]) < 1.5, fp8
+    assert fp8["kl_mean"] < 0.9 * q["fp8_plain"]["kl_mean"], (fp8, q["fp8_plain"])
 
 
 def dequantized(x, kv_dtype="int8"): return KV_FORMATS[kv_dtype].dequantize(*KV_FORMATS[kv_dtype].quantize(x))
@@ -147,7 +183,7 @@ def dequantized(x, kv_dtype="int8"): return KV_FORMATS[kv_dtype].dequantize(*KV_
 def triton_int8_decode_case(dtype, device, lens, H=2, Hq=6, D=16, bs=4, num_splits=None, seed=0, kv_dtype="int8"):
     """Random int8 (or fp8) pool (NaN scales where nothing was stored), one decode token per sequence: Triton vs
     attend on K/V quantized and dequantized by the format's own PyTorch functions."""
-    from minfer.flash import decode_attention
+    from minfer.flash import decode_attention, TritonAttention
     from minfer.model import attend
     g = torch.Generator().manual_seed(seed)
     cfg = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=H, head_dim=D)
@@ -165,9 +201,18 @@ def triton_int8_decode_case(dtype, device, lens, H=2, Hq=6, D=16, bs=4, num_spli
     width = max(map(len, tables))
     bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
     kc, vc = cache.layer(0)
-    out = decode_attention(q.to(device, dtype), kc.codes, vc.codes, bt, torch.tensor(lens, dtype=torch.int32, device=device),
-                           num_splits=num_splits, k_scale=kc.scales, v_scale=vc.scales)
-    ref = torch.cat([attend(q[i:i + 1], dequantized(ks[i], kv_dtype), dequantized(vs[i], kv_dtype))
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    if num_splits is None:  # through the backend's decode path, which turns q where keys are stored rotated (fp8)
+        meta = SimpleNamespace(max_seqlen_q=1, seq_lens=seq_lens, block_tables=bt)
+        out = TritonAttention.attention(None, q.to(device, dtype), kc, vc, meta)
+    else:
+        R = cache.key_rotation
+        qr = q if R is None else q @ R.cpu()
+        out = decode_attention(qr.to(device, dtype), kc.codes, vc.codes, bt, seq_lens, num_splits=num_splits,
+                               k_scale=kc.scales, v_scale=vc.scales)
+    # the reference: the format's own PyTorch quantize/dequantize, keys turned by key_rotation and back for fp8
+    R = key_rotation(D) if KV_FORMATS[kv_dtype].rotate_keys else torch.eye(D)
+    ref = torch.cat([attend(q[i:i + 1], dequantized(ks[i] @ R, kv_dtype) @ R.T, dequantized(vs[i], kv_dtype))
                      for i in range(len(lens))])
     return out.float().cpu(), ref
 

@@ -78,6 +78,16 @@ def dequantized(x, kv_dtype):
     return y * scale
 
 
+def dequantized_keys(k, kv_dtype):
+    """Keys: fp8 stores them turned by the normalised Hadamard matrix (chapter 09's `key_rotation`) and turns them back
+    when read; built here by Kronecker products (Sylvester's construction)."""
+    if kv_dtype != "fp8": return dequantized(k, kv_dtype)
+    H = torch.ones(1, 1)
+    while H.shape[0] < k.shape[-1]: H = torch.kron(H, torch.tensor([[1.0, 1.0], [1.0, -1.0]]))
+    H = H / k.shape[-1] ** 0.5
+    return dequantized(k @ H, kv_dtype) @ H.T
+
+
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8"])
 @pytest.mark.parametrize("layout", ["shuffled", "consecutive"])
 @pytest.mark.parametrize("lens, q_lens, decode_group", [
@@ -116,7 +126,8 @@ def test_paged_attention_matches_contiguous_attention(lens, q_lens, decode_group
     attn.decode_group, attn.meta = decode_group, build_batch_meta(seqs, bs)
     new_k, new_v = torch.cat([k[n - nq:] for k, n, nq in zip(ks, lens, q_lens)]), torch.cat([v[n - nq:] for v, n, nq in zip(vs, lens, q_lens)])
     out = attn(0, torch.cat(qs), new_k, new_v)
-    ref = torch.cat([attend(q, dequantized(k, kv_dtype), dequantized(v, kv_dtype)) for q, k, v in zip(qs, ks, vs)])
+    ref = torch.cat([attend(q, dequantized_keys(k, kv_dtype), dequantized(v, kv_dtype))
+                     for q, k, v in zip(qs, ks, vs)])
     assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
 
 
