@@ -33,7 +33,7 @@ similarity (difflib ratio) reaches `SHOWN_RATIO`. Two ways to satisfy it:
 """
 from __future__ import annotations
 
-import argparse, ast, json, re, shutil, sys
+import argparse, ast, json, re, shutil, sys, tokenize
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +44,7 @@ NBS = ROOT / "nbs"
 _DIRECTIVE = re.compile(r"^\s*#\|\s*exercise\s*$")
 _HINT = re.compile(r"^\s*#\s*hint:\s*(.*?)\s*$")
 _EXPORT = re.compile(r"^\s*#\|\s*(export|exporti|exports)\b", re.MULTILINE)
+_LAYOUT_TOKENS = {tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.COMMENT, tokenize.ENDMARKER}
 _SOLUTION = re.compile(r"^\s*#\|\s*solution\s*$", re.MULTILINE)
 _KEEP_OUTPUTS = re.compile(r"^\s*#\|\s*(slow|gpu)\s*$", re.MULTILINE)
 _DEFAULT_EXP = re.compile(r"^\s*#\|\s*default_exp\s+(\S+)", re.MULTILINE)
@@ -174,9 +175,10 @@ def library_import_source(source: str, module: str) -> str:
 
 def _body_tokens(fn) -> list[str]:
     "A function's body (docstring dropped) as tokens, names local to it renamed _v0, _v1... in order of appearance."
-    import io, tokenize
+    import io
     body = fn.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+    first = body[0] if body else None
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
         body = body[1:]
     if not body: return []
     local = {a.arg for a in ast.walk(fn.args) if isinstance(a, ast.arg)}
@@ -185,8 +187,7 @@ def _body_tokens(fn) -> list[str]:
         elif isinstance(n, ast.arg): local.add(n.arg)
     out, renamed, prev = [], {}, None
     for t in tokenize.generate_tokens(io.StringIO("\n".join(ast.unparse(s) for s in body)).readline):
-        if t.type in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.COMMENT, tokenize.ENDMARKER):
-            continue
+        if t.type in _LAYOUT_TOKENS: continue
         tok = t.string
         if t.type == tokenize.NAME and tok in local and prev != ".": tok = renamed.setdefault(tok, f"_v{len(renamed)}")
         out.append(tok)
@@ -223,8 +224,8 @@ def shown_solutions(cells, exercises, solutions: dict | None = None) -> list[str
                 for f in _functions(c.source):
                     r = solution_similarity(sol, f)
                     if r >= SHOWN_RATIO:
-                        found.append(f"{ex.notebook.name}: exercise `{sol.name}` (cell {ex.cell}) is shown above its stub "
-                                     f"as `{f.name}` in cell {i} (similarity {r:.2f})")
+                        found.append(f"{ex.notebook.name}: exercise `{sol.name}` (cell {ex.cell}) is shown above its "
+                                     f"stub as `{f.name}` in cell {i} (similarity {r:.2f})")
     return found
 
 
@@ -236,11 +237,13 @@ def student_notebook(nb_path: Path):
     exercises = find_exercises(nb_path, nb)
     solutions = {ex.cell: nb.cells[ex.cell].source for ex in exercises}
     for ex in exercises: nb.cells[ex.cell].source = stub_source(nb.cells[ex.cell].source)
-    module = next((m.group(1) for c in nb.cells if c.cell_type == "code" and (m := _DEFAULT_EXP.search(c.source))), None)
+    module = next((m.group(1) for c in nb.cells if c.cell_type == "code" and (m := _DEFAULT_EXP.search(c.source))),
+                  None)
     for i, cell in enumerate(nb.cells):
         if not is_solution(cell): continue
         if not _EXPORT.search(cell.source) or module is None:
-            raise ValueError(f"{nb_path.name}, cell {i}: a `#| solution` cell must be `#| export`ed from a `#| default_exp` module")
+            raise ValueError(f"{nb_path.name}, cell {i}: a `#| solution` cell must be `#| export`ed "
+                             "from a `#| default_exp` module")
         cell.source = library_import_source(cell.source, module)
     if shown := shown_solutions(nb.cells, exercises, solutions): raise ValueError("; ".join(shown))
     for cell in nb.cells: _clear(cell)
