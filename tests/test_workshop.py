@@ -174,11 +174,13 @@ def test_a_solution_cell_becomes_a_library_import(tmp_path):
            'REGISTRY["sum"] = library_sum')
     exercise = '#| exercise\ndef my_sum(xs):\n    "Doc."\n    return sum(xs)'
     cells = ["#| default_exp tools_demo", src, exercise, "assert my_sum([1]) == 1"]
-    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells]), tmp_path / "x.ipynb")
+    original = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    nbformat.write(original, tmp_path / "x.ipynb")
     nb, _ = workshop.student_notebook(tmp_path / "x.ipynb")
-    lines = nb.cells[1].source.splitlines()
+    solution_cell = next(c for c in nb.cells if c.id == original.cells[1].id)
+    lines = solution_cell.source.splitlines()
     assert lines[1:] == ["from minfer.tools_demo import LIMIT, library_sum", 'REGISTRY["sum"] = library_sum'], lines
-    assert "return sum(values)" not in nb.cells[1].source
+    assert "return sum(values)" not in solution_cell.source
     cells[1] = src.replace("#| export\n", "")
     nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells]), tmp_path / "x.ipynb")
     with pytest.raises(ValueError, match="must be `#| export`ed"): workshop.student_notebook(tmp_path / "x.ipynb")
