@@ -168,8 +168,13 @@ def library_import_source(source: str, module: str) -> str:
                 isinstance(t, ast.Name) for t in (stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target])):
             names += [t.id for t in (stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target])]
         else: rest.append(ast.get_source_segment(code, stmt))
+    imported = f"from minfer.{module} import {', '.join(dict.fromkeys(names))}"
+    if len(imported) > 120:  # the course's line length
+        import textwrap
+        imported = f"from minfer.{module} import (\n" + textwrap.fill(", ".join(dict.fromkeys(names)), 116,
+                                                                 initial_indent="    ", subsequent_indent="    ") + ")"
     lines = ["# This cell's code solves an exercise below: this copy runs the library's version. Write yours first!",
-             f"from minfer.{module} import {', '.join(dict.fromkeys(names))}"]
+             imported]
     return "\n".join(lines + rest)
 
 
