@@ -24,6 +24,7 @@ class OutOfBlocks(RuntimeError):
         super().__init__(f"out of KV blocks: need {needed}, {free} free")
         self.needed, self.free = needed, free
 
+# %% ../nbs/03_paged.ipynb #c3a6fbe3
 class BlockAllocator:
     """A free list of `num_blocks` physical block ids with a reference count each.
     `allocate(n)` -> n ids at refcount 1 (all or nothing, else `OutOfBlocks`); `incref(ids)` shares; `free(ids)` drops one

@@ -79,7 +79,8 @@ def test_workshop_writes_student_copies(tmp_path):
     for p, ex in EXERCISES:
         nb = nbformat.read(tmp_path / "ws" / p.name, as_version=4)
         nbformat.validate(nb)
-        assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), f"{p.name}: outputs not cleared"
+        cleared = [c for c in nb.cells if c.cell_type == "code" and not workshop._KEEP_OUTPUTS.search(c.source)]
+        assert all(not c.get("outputs") for c in cleared), f"{p.name}: outputs not cleared"
         assert not any("nbdev_export()" in c.source for c in nb.cells)
         stubs = [c for c in nb.cells if workshop.is_exercise(c)]
         assert all("NotImplementedError" in c.source for c in stubs)
@@ -125,3 +126,70 @@ def _check_exercise(shell, nb, nb_path, ex):
     assert exc is None, f"{ex.id}: the solution cell failed: {exc!r}"
     exc = _run(shell, check)
     assert exc is None, f"{ex.id}: the check fails with the solution: {exc!r}"
+
+
+def test_slow_and_gpu_cells_keep_their_stored_outputs(tmp_path):
+    "A measurement too slow (or impossible) to re-run in class keeps its stored run in a student copy; others are cleared."
+    stored = [nbformat.v4.new_output("stream", name="stdout", text="perplexity 12.3\n")]
+    cells = [nbformat.v4.new_code_cell("#| slow\nprint('perplexity 12.3')", outputs=stored),
+             nbformat.v4.new_code_cell("#| gpu\nprint('tokens/s')", outputs=stored),
+             nbformat.v4.new_code_cell("print('quick')", outputs=stored)]
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), tmp_path / "x.ipynb")
+    nb, _ = workshop.student_notebook(tmp_path / "x.ipynb")
+    assert [len(c.outputs) for c in nb.cells] == [1, 1, 0]
+    assert nb.cells[0].outputs[0].text == "perplexity 12.3\n"
+    kept = 0  # and in the real chapters: every slow cell's stored outputs survive `make workshop`
+    for p in workshop.notebooks():
+        orig, (student, _) = nbformat.read(p, as_version=4), workshop.student_notebook(p)
+        by_id = {c.id: c for c in student.cells}
+        for c in orig.cells:
+            if c.cell_type == "code" and workshop._KEEP_OUTPUTS.search(c.source) and c.outputs:
+                assert by_id[c.id].outputs == c.outputs, f"{p.name}: slow cell {c.id} lost its outputs"
+                kept += 1
+    assert kept, "no slow cell with stored outputs found in nbs/ (chapter 08 has several)"
+
+
+def test_a_solution_shown_above_its_stub_is_found(tmp_path):
+    "A function above the exercise with the solution's body, local names changed, is caught; a different one is not."
+    shown = ("def library_sum(values, start=0):\n    total = start\n    for v in values:\n        total = total + v * 2\n"
+             "    return total")
+    other = "def unrelated(path):\n    with open(path) as f:\n        return [ln.split(',') for ln in f if ln.strip()]"
+    exercise = ('#| exercise\ndef my_sum(xs, s=0):\n    "Doc."\n    acc = s\n    for x in xs:\n'
+                '        acc = acc + x * 2\n    return acc')
+    for above, expected in ((shown, 1), (other, 0)):
+        cells = [nbformat.v4.new_code_cell(c) for c in (above, exercise, "assert my_sum([1]) == 2")]
+        nb = nbformat.v4.new_notebook(cells=cells)
+        nbformat.write(nb, tmp_path / "x.ipynb")
+        exercises = workshop.find_exercises(tmp_path / "x.ipynb")
+        found = workshop.shown_solutions(nb.cells, exercises)
+        assert len(found) == expected, found
+        if expected:
+            with pytest.raises(ValueError, match="exercise `my_sum` .* is shown above its stub as `library_sum`"):
+                workshop.student_notebook(tmp_path / "x.ipynb")
+
+
+def test_a_solution_cell_becomes_a_library_import(tmp_path):
+    "`#| solution` on an exported cell: the student copy imports its names and keeps its other statements."
+    src = ('#| export\n#| solution\nLIMIT = 3\n\ndef library_sum(values):\n    "Doc."\n    return sum(values)\n\n'
+           'REGISTRY["sum"] = library_sum')
+    exercise = '#| exercise\ndef my_sum(xs):\n    "Doc."\n    return sum(xs)'
+    cells = ["#| default_exp tools_demo", src, exercise, "assert my_sum([1]) == 1"]
+    original = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    nbformat.write(original, tmp_path / "x.ipynb")
+    nb, _ = workshop.student_notebook(tmp_path / "x.ipynb")
+    solution_cell = next(c for c in nb.cells if c.id == original.cells[1].id)
+    lines = solution_cell.source.splitlines()
+    assert lines[1:] == ["from minfer.tools_demo import LIMIT, library_sum", 'REGISTRY["sum"] = library_sum'], lines
+    assert "return sum(values)" not in solution_cell.source
+    cells[1] = src.replace("#| export\n", "")
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells]), tmp_path / "x.ipynb")
+    with pytest.raises(ValueError, match="must be `#| export`ed"): workshop.student_notebook(tmp_path / "x.ipynb")
+
+
+@pytest.mark.parametrize("nb_path", sorted({p for p, _ in EXERCISES}), ids=lambda p: p.stem)
+def test_no_solution_is_shown_above_its_stub(nb_path):
+    """In the student copy no function above an exercise has (nearly) its solution's body (`workshop.shown_solutions`;
+    `student_notebook` refuses such a copy): the exercise comes first, or the solving cell is marked `#| solution`."""
+    try: student, _ = workshop.student_notebook(nb_path)
+    except ValueError as e: pytest.fail(str(e))
+    assert not any(workshop.is_solution(c) for c in student.cells), "a `#| solution` cell was left as it is"

@@ -398,7 +398,10 @@ exactly the chapters and exercises in the repository.
   installs a CPU build of PyTorch and converts the default model once; do it before the session, the download is the slow part.
 - `make workshop` writes `workshop/`: a student copy of every notebook where each exercise function keeps its signature
   and docstring but its body is `raise NotImplementedError("<hint>")`; the cell after each exercise is its check
-  (asserts), kept as is; all outputs are cleared. Students open it with `.venv/bin/jupyter lab workshop/`.
+  (asserts), kept as is; outputs are cleared, except those of `slow` and `gpu` cells (measurements too slow, or
+  impossible, to re-run in class: students read the stored run). An exported cell marked `#| solution` (code an
+  exercise below re-creates) becomes an import from the library, so no solution shows above its stub. Students open
+  it with `.venv/bin/jupyter lab workshop/`.
 - `tests/test_workshop.py` (part of `make test`) proves every check fails on the stub and passes with the solution, so
   a green check means the student's function is right.
 - On this site, exercise solutions are folded: click *Show the solution* under an exercise.
@@ -430,7 +433,9 @@ first: students who finish early read on in the chapter.
 A code cell whose first line is `#| exercise`, optionally `# hint: <text>` on the second line, then one or more
 top-level function definitions: the solution. The next code cell is the check: asserts that fail with a stub and
 pass with the solution. Put a markdown cell before it that starts with **Exercise · title.** and says what to write.
-Keep exercise cells out of `#| export`. Then run `make workshop` and `pytest tests/test_workshop.py`.
+Keep exercise cells out of `#| export`, and show no solution above its stub: put the exercise before the code that
+solves it, or mark that (exported) cell `#| solution` (`tools/workshop.py` explains the rule). Then run `make workshop`
+and `pytest tests/test_workshop.py`.
 """
     (SRC / "instructor_guide.md").write_text(text)
     return n_ex

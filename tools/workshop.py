@@ -15,11 +15,25 @@ The exercise convention (for every chapter):
 
 `python tools/workshop.py [--out workshop]` writes one student notebook per `nbs/*.ipynb`: each exercise function keeps
 its signature and docstring, and its body becomes `raise NotImplementedError("<hint>")`; the checks stay; every
-output is cleared. `tests/test_workshop.py` proves each check fails on the stub and passes with the solution.
+output is cleared except those of cells flagged `#| slow` or `#| gpu` (measurements too slow, or impossible, to
+re-run in class: the stored run is what the student reads). `tests/test_workshop.py` proves each check fails on the
+stub and passes with the solution.
+
+No solution above its stub. A student copy must not show, above an exercise, code that already solves it. The rule:
+no function defined in a cell above the exercise may have (nearly) the solution's body -- compared as token streams
+with the names local to each function renamed in order of appearance, `shown_solutions()` reports any pair whose
+similarity (difflib ratio) reaches `SHOWN_RATIO`. Two ways to satisfy it:
+  - put the exercise before the code that solves it (the exercise is then the chapter's simplest version, and the
+    exported one comes after it), or ask for something the chapter has not shown;
+  - or mark the `#| export` cell that holds the solution with a second directive line `#| solution`: in the student
+    copy its source becomes an import of the names it defines from the exported module (`from minfer.naive import
+    naive_generate`), followed by its other top-level statements (`MLP_KINDS["moe"] = MoE`), so every later cell runs
+    the same and the student sees the code only in the library.
+`student_notebook` refuses to write a copy that breaks the rule.
 """
 from __future__ import annotations
 
-import argparse, ast, json, re, shutil, sys
+import argparse, ast, json, re, shutil, sys, tokenize
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +44,12 @@ NBS = ROOT / "nbs"
 _DIRECTIVE = re.compile(r"^\s*#\|\s*exercise\s*$")
 _HINT = re.compile(r"^\s*#\s*hint:\s*(.*?)\s*$")
 _EXPORT = re.compile(r"^\s*#\|\s*(export|exporti|exports)\b", re.MULTILINE)
+_LAYOUT_TOKENS = {tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.COMMENT, tokenize.ENDMARKER}
+_SOLUTION = re.compile(r"^\s*#\|\s*solution\s*$", re.MULTILINE)
+_KEEP_OUTPUTS = re.compile(r"^\s*#\|\s*(slow|gpu)\s*$", re.MULTILINE)
+_DEFAULT_EXP = re.compile(r"^\s*#\|\s*default_exp\s+(\S+)", re.MULTILINE)
+SHOWN_RATIO = 0.6     # body similarity from which an earlier function counts as the exercise's solution shown
+SHOWN_MIN_TOKENS = 8  # a solution shorter than this (one short expression) is not compared
 
 
 @dataclass
@@ -125,15 +145,112 @@ def stub_source(source: str) -> str:
 
 
 def _clear(cell):
-    if cell.cell_type == "code": cell.outputs, cell.execution_count = [], None
+    "Clear a cell's outputs, unless it is flagged slow or gpu: then its stored run is what the student reads."
+    if cell.cell_type == "code" and not _KEEP_OUTPUTS.search(cell.source):
+        cell.outputs, cell.execution_count = [], None
     for k in ("execution", "collapsed", "scrolled"): cell.metadata.pop(k, None)
 
 
+def is_solution(cell) -> bool:
+    "A code cell marked `#| solution` (with `#| export`): the student copy imports it from the library instead."
+    return cell.cell_type == "code" and bool(_SOLUTION.search(cell.source))
+
+
+def library_import_source(source: str, module: str) -> str:
+    """What a `#| solution` cell becomes in a student copy: an import from `minfer.<module>` of the names its functions,
+    classes and plain assignments define, then its other top-level statements (registrations, methods attached)."""
+    code = _python(source)
+    names, rest = [], []
+    tree = ast.parse(code)
+    for stmt in tree.body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)): names.append(stmt.name)
+        elif isinstance(stmt, (ast.Assign, ast.AnnAssign)) and all(
+                isinstance(t, ast.Name) for t in (stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target])):
+            names += [t.id for t in (stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target])]
+        else: rest.append(ast.get_source_segment(code, stmt))
+    imported = f"from minfer.{module} import {', '.join(dict.fromkeys(names))}"
+    if len(imported) > 120:  # the course's line length
+        import textwrap
+        imported = f"from minfer.{module} import (\n" + textwrap.fill(", ".join(dict.fromkeys(names)), 116,
+                                                                 initial_indent="    ", subsequent_indent="    ") + ")"
+    lines = ["# This cell's code solves an exercise below: this copy runs the library's version. Write yours first!",
+             imported]
+    return "\n".join(lines + rest)
+
+
+def _body_tokens(fn) -> list[str]:
+    "A function's body (docstring dropped) as tokens, names local to it renamed _v0, _v1... in order of appearance."
+    import io
+    body = fn.body
+    first = body[0] if body else None
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        body = body[1:]
+    if not body: return []
+    local = {a.arg for a in ast.walk(fn.args) if isinstance(a, ast.arg)}
+    for n in ast.walk(ast.Module(body, [])):
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store): local.add(n.id)
+        elif isinstance(n, ast.arg): local.add(n.arg)
+    out, renamed, prev = [], {}, None
+    for t in tokenize.generate_tokens(io.StringIO("\n".join(ast.unparse(s) for s in body)).readline):
+        if t.type in _LAYOUT_TOKENS: continue
+        tok = t.string
+        if t.type == tokenize.NAME and tok in local and prev != ".": tok = renamed.setdefault(tok, f"_v{len(renamed)}")
+        out.append(tok)
+        prev = t.string
+    return out
+
+
+def _functions(source: str):
+    "Every function (methods and nested ones too) defined in a cell's code."
+    try: tree = ast.parse(_python(source))
+    except SyntaxError: return []
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def solution_similarity(solution_fn, other_fn) -> float:
+    "difflib ratio of the two functions' bodies as token streams, local names renamed (1.0: the same code)."
+    import difflib
+    a, b = _body_tokens(solution_fn), _body_tokens(other_fn)
+    if not a or not b: return 0.0
+    return difflib.SequenceMatcher(None, a, b, autojunk=False).ratio()
+
+
+def shown_solutions(cells, exercises, solutions: dict | None = None) -> list[str]:
+    """Where a student copy shows an exercise's solution above its stub: one line per (exercise function, earlier
+    function) pair whose bodies are at least `SHOWN_RATIO` alike. `cells`: the student copy's cells, in the original
+    order (stubs in place of exercises); `solutions`: cell index -> the exercise cell's original source."""
+    found = []
+    for ex in exercises:
+        for sol in _functions(solutions[ex.cell] if solutions else cells[ex.cell].source):
+            if len(_body_tokens(sol)) < SHOWN_MIN_TOKENS: continue
+            for i in range(ex.cell):
+                c = cells[i]
+                if c.cell_type != "code" or is_exercise(c): continue
+                for f in _functions(c.source):
+                    r = solution_similarity(sol, f)
+                    if r >= SHOWN_RATIO:
+                        found.append(f"{ex.notebook.name}: exercise `{sol.name}` (cell {ex.cell}) is shown above its "
+                                     f"stub as `{f.name}` in cell {i} (similarity {r:.2f})")
+    return found
+
+
 def student_notebook(nb_path: Path):
-    "(student notebook, exercises): stubs for every exercise, checks kept, all outputs cleared, nbdev's export cell dropped."
+    """(student notebook, exercises): stubs for every exercise, checks kept, `#| solution` cells turned into library
+    imports, outputs cleared (but those of slow and gpu cells), nbdev's export cell dropped. Raises ValueError if the
+    copy would still show an exercise's solution above its stub."""
     nb = nbformat.read(nb_path, as_version=4)
     exercises = find_exercises(nb_path, nb)
+    solutions = {ex.cell: nb.cells[ex.cell].source for ex in exercises}
     for ex in exercises: nb.cells[ex.cell].source = stub_source(nb.cells[ex.cell].source)
+    module = next((m.group(1) for c in nb.cells if c.cell_type == "code" and (m := _DEFAULT_EXP.search(c.source))),
+                  None)
+    for i, cell in enumerate(nb.cells):
+        if not is_solution(cell): continue
+        if not _EXPORT.search(cell.source) or module is None:
+            raise ValueError(f"{nb_path.name}, cell {i}: a `#| solution` cell must be `#| export`ed "
+                             "from a `#| default_exp` module")
+        cell.source = library_import_source(cell.source, module)
+    if shown := shown_solutions(nb.cells, exercises, solutions): raise ValueError("; ".join(shown))
     for cell in nb.cells: _clear(cell)
     # the notebooks end with `nbdev.nbdev_export()`, which would overwrite minfer/ from nbs/: not in a student copy
     nb.cells = [c for c in nb.cells if not (c.cell_type == "code" and "nbdev_export()" in c.source)]
