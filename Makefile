@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 PROMPT ?= What is the capital of France?
 STAMP := $(VENV)/.installed
 
-.PHONY: install model demo test test-notebooks test-py sync-check bench bench-kernels docs docs-fresh chromium workshop clean
+.PHONY: install model demo test test-notebooks test-py sync-check peers bench bench-kernels docs docs-fresh chromium workshop clean
 
 install: $(STAMP) model
 
@@ -59,8 +59,12 @@ test: sync-check test-notebooks test-py
 
 # llama.cpp is a peer in the decode benchmark only (never in `make test`): pip builds llama-cpp-python from source,
 # about 10 minutes on a 2-core machine, once
-bench: install
-	$(BIN)/python -c "import llama_cpp" 2>/dev/null || $(BIN)/pip install -q llama-cpp-python
+# the engines minfer is measured against, each in a venv of its own (.venv-peers/): llama.cpp built with this machine's
+# native flags, vLLM's CPU build. A peer that cannot be installed prints one line (PEER MISSING); the benches go on.
+peers: install
+	-$(BIN)/python benchmarks/peers.py install
+
+bench: install peers
 	$(BIN)/python benchmarks/bench_decode.py --record
 	$(BIN)/python benchmarks/bench_throughput.py --record
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python benchmarks/bench_speculative.py --repeats 3 --record

@@ -8,10 +8,11 @@ uses (chapter 05c's own matvec with `kernels="step"`, oneDNN on packed weights w
 Where the greedy tokens part, the table says where, and how far apart transformers' top two logits were there.
 
 Then 4-bit weights (chapter 08): minfer on the default model's AWQ folder (int4 g64, its default switches: the one-call
-step reading the 4-bit codes, chapter 05c) beside llama.cpp (`llama-cpp-python`) running the GGUF the default model
+step reading the 4-bit codes, chapter 05c) beside llama.cpp (llama-cpp-python compiled with this machine's native
+flags, in its own venv: benchmarks/peers.py, `make peers`) running the GGUF the default model
 ships as (Q4_1), minfer bf16 and transformers bf16, alternating, medians, each with its weight bytes per token and the
-floor (copy bandwidth / those bytes). llama.cpp runs with as many threads as PyTorch uses; the row is left out with a
-note where `llama_cpp` is not installed (`make bench` installs it). `--no-int4` skips this part.
+floor (copy bandwidth / those bytes). llama.cpp runs with as many threads as PyTorch uses; where the peer is not
+installed, the table says so in one line and keeps minfer's rows. `--no-int4` skips this part.
 
     python benchmarks/bench_decode.py [--tokens 256] [--repeats 3] [--dtypes float32 bfloat16] [--kernels auto]
         [--awq-folder data/models/smollm2-135m-instruct-awq-g64] [--no-int4] [--record]
@@ -27,6 +28,9 @@ from minfer.roofline import weight_bytes_per_step, param_counts
 from minfer.sampling import SamplingParams
 from minfer.roofline import decode_bytes_per_token, measure_bandwidth, measure_matvec_bandwidth
 from minfer.cpu_step import matvec as step_matvec
+
+sys.path.insert(0, str(Path(__file__).parent))
+from peers import Peer, PeerMissing
 
 PROMPT = "Once upon a time, in a small village by the sea,"
 
@@ -95,15 +99,6 @@ def gguf_weight_bytes(path):
     from gguf import GGUFReader
     return sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
 
-def time_llama_cpp(lcp, ids, n):
-    "Greedy (top-1) generation of n tokens after the prompt ids, timed end to end like the others."
-    lcp.reset()  # forget the last run's tokens: otherwise llama-cpp-python reuses the cached prompt
-    t, out = time.perf_counter(), []
-    for tok in lcp.generate(ids, top_k=1, temp=0.0, reset=True):
-        out.append(tok)
-        if len(out) == n: break
-    return time.perf_counter() - t, out
-
 def bench_int4(n, repeats, awq_folder):
     "4-bit weights beside bf16: {name: dict(tok_s, bytes)}; the runs alternate, medians."
     from transformers import LlamaForCausalLM
@@ -118,25 +113,30 @@ def bench_int4(n, repeats, awq_folder):
             f"minfer bf16 ({bf16.weights}, {bf16.kernels})": lambda: time_minfer(bf16, ids, n)[0],
             "transformers bf16": lambda: time_transformers(hf, ids, n)[0]}
     sizes = {0: int4_weight_bytes(awq), 1: weight_bytes_per_step(bf16.model_config, "bfloat16"), 2: weight_bytes_per_step(bf16.model_config, "bfloat16")}
-    note = ""
-    try:
-        from llama_cpp import Llama as LlamaCpp
+    note, lcp = "", None
+    try:  # llama.cpp in its own venv (benchmarks/peers.py), built with this machine's native flags
         gguf = find_default_gguf()
-        lcp = LlamaCpp(model_path=str(gguf), n_threads=torch.get_num_threads(), n_threads_batch=torch.get_num_threads(),
-                       n_ctx=len(ids) + n + 16, verbose=False)
-        runs["llama.cpp Q4_1 (llama-cpp-python)"] = lambda: time_llama_cpp(lcp, ids, n)[0]
+        lcp = Peer("llama.cpp", model=str(gguf), threads=torch.get_num_threads(), max_len=len(ids) + n + 16)
+        name = f"llama.cpp Q4_1 ({lcp.info['version']})"
+        runs[name] = lambda: lcp.call("decode", ids=ids, n=n)["seconds"]
         sizes[3] = gguf_weight_bytes(gguf)
-    except ImportError:
-        note = "llama.cpp: `llama_cpp` is not installed here (`make bench` installs llama-cpp-python); row left out"
-    time_minfer(awq, ids, 8)  # warm-up: a short run of each; time_minfer(bf16, ids, 8); time_transformers(hf, ids, 8)
-    if "llama.cpp Q4_1 (llama-cpp-python)" in runs: time_llama_cpp(lcp, ids, 8)
+        note = f"llama.cpp build: {lcp.info['build']}"
+    except PeerMissing as e:
+        note = f"PEER MISSING: {e}; row left out"
+        print(note, flush=True)
+    time_minfer(awq, ids, 8)  # warm-up: a short run of each
+    time_minfer(bf16, ids, 8)
+    time_transformers(hf, ids, 8)
+    if lcp: lcp.call("decode", ids=ids, n=8)
     times = {name: [] for name in runs}
     for _ in range(repeats):  # A B C D A B C D ...
         for name, f in runs.items(): times[name].append(f())
         print({k: round(n / v[-1], 1) for k, v in times.items()}, flush=True)
     tokens = {}
     _, _, tokens["awq"] = time_minfer(awq, ids, 32)
-    if "llama.cpp Q4_1 (llama-cpp-python)" in runs: tokens["llama.cpp"] = time_llama_cpp(lcp, ids, 32)[1]
+    if lcp:
+        tokens["llama.cpp"] = lcp.call("decode", ids=ids, n=32)["tokens"]
+        lcp.close()
     return {name: dict(tok_s=n / statistics.median(times[name]), bytes=sizes[i]) for i, name in enumerate(runs)}, note, tokens
 
 def main():
@@ -186,7 +186,7 @@ def main():
                       f"the first {same} of 32."]
         lines += ["", "Weight bytes: minfer's AWQ step reads its repacked 4-bit codes with an fp16 scale and zero per group of 64 "
                   "(4.5 bits per projection weight) and the tied LM head in bf16; llama.cpp's are the GGUF's tensors (the tied "
-                  "embedding read whole as the output matrix). Target (issue 14): minfer int4 >= llama.cpp Q4_1 tok/s."]
+                  "embedding read whole as the output matrix). Target: minfer int4 >= 1.2x llama.cpp Q4_1's tok/s (native build)."]
     text = "\n".join(lines)
     print(text)
     if a.record:

