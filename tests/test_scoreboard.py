@@ -94,3 +94,39 @@ def test_a_bad_point_is_refused_in_one_line(bad, says):
 
 def test_a_missing_file_is_one_line(tmp_path):
     with pytest.raises(FileNotFoundError, match="no scoreboard at"): Scoreboard.load(tmp_path / "none.json")
+
+
+H100_RECORD = re.compile(r"benchmarks/[\w.-]*[hH]100[\w.-]*\.md")
+
+
+def gpu_gaps(nb_path):
+    """What a chapter's GPU claims lack: GPU cells (`#| gpu`, never run without one) not followed by a code cell that
+    reads a recorded GPU run, and GPU records its prose cites that no code cell reads."""
+    cells = json.loads(Path(nb_path).read_text())["cells"]
+    code = [(i, "".join(c["source"])) for i, c in enumerate(cells) if c["cell_type"] == "code"]
+    gaps, gpu = [], [i for i, s in code if s.startswith("#| gpu")]
+    if gpu:
+        after = next((s for i, s in code if i > gpu[-1]), "")
+        if after.startswith("#| gpu") or not H100_RECORD.search(after):
+            gaps.append(f"no cell after the GPU cell {gpu[-1]} reads a recorded GPU run")
+    cited = {m for c in cells if c["cell_type"] == "markdown" for m in H100_RECORD.findall("".join(c["source"]))}
+    gaps += [f"{r} is cited but no cell reads it" for r in sorted(cited) if not any(r in s for _, s in code)]
+    return gaps
+
+
+def test_gpu_claims_show_their_recorded_runs():
+    gaps = {nb.name: g for nb in sorted((ROOT / "nbs").glob("*.ipynb")) if (g := gpu_gaps(nb))}
+    assert not gaps, gaps
+    for record in {m for nb in (ROOT / "nbs").glob("*.ipynb") for m in H100_RECORD.findall(nb.read_text())}:
+        assert (ROOT / record).is_file(), record
+
+
+def test_the_gpu_check_can_fail(tmp_path):
+    def nb(*cells):
+        path = tmp_path / "x.ipynb"
+        path.write_text(json.dumps({"cells": [{"cell_type": k, "source": [s]} for k, s in cells]}))
+        return gpu_gaps(path)
+    assert nb(("code", "#| gpu\nrun()"), ("markdown", "prose"))
+    assert nb(("code", "#| gpu\nrun()"), ("code", "print('no record')"))
+    assert nb(("markdown", "see benchmarks/x-h100.md"), ("code", "pass"))
+    assert not nb(("code", "#| gpu\nrun()"), ("code", "open('../benchmarks/x-H100.md')"))
