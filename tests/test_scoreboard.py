@@ -130,3 +130,17 @@ def test_the_gpu_check_can_fail(tmp_path):
     assert nb(("code", "#| gpu\nrun()"), ("code", "print('no record')"))
     assert nb(("markdown", "see benchmarks/x-h100.md"), ("code", "pass"))
     assert not nb(("code", "#| gpu\nrun()"), ("code", "open('../benchmarks/x-H100.md')"))
+
+
+def test_the_benchmarks_index_lists_every_record_and_script():
+    "benchmarks/README.md is where run history lives: every record and bench script is in it, and nothing missing is."
+    index = (ROOT / "benchmarks" / "README.md").read_text()
+    files = [f.name for f in (ROOT / "benchmarks").iterdir() if f.suffix in (".md", ".json", ".py") and f.name != "README.md"]
+    named = set(re.findall(r"`([\w.-]+\.(?:md|json|py))`", index))
+    # a record's .json twin is listed as `, `.json`` beside its .md
+    for pair in re.findall(r"`([\w.-]+)\.md`, `\.json`", index): named.add(pair + ".json")
+    missing = sorted(f for f in files if f not in named)
+    assert not missing, f"benchmarks/README.md does not list {missing}"
+    gone = sorted(n for n in named if "/" not in n and not (ROOT / "benchmarks" / n).exists()
+                  and not (ROOT / "kernels" / n).exists())
+    assert not gone, f"benchmarks/README.md lists files that do not exist: {gone}"
