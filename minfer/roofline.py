@@ -8,7 +8,8 @@ Docs: https://minfer.github.io/minfer/roofline.html.md"""
 __all__ = ['DTYPE_BYTES', 'DEVICES', 'MODELS', 'BATCHES', 'CONTEXTS', 'param_counts', 'weight_bytes_per_step',
            'kv_bytes_per_token', 'decode_bytes_per_token', 'flops_per_token', 'measure_bandwidth',
            'measure_matmul_flops', 'measure_matvec_bandwidth', 'plot_roofline', 'Device', 'measured_device',
-           'DecodeBound', 'decode_roofline', 'plot_decode_roofline', 'roofline_explorer', 'Ledger']
+           'DecodeBound', 'decode_roofline', 'plot_decode_roofline', 'roofline_explorer', 'Ledger', 'scoreboard_path',
+           'ScorePoint', 'Scoreboard']
 
 # %% ../nbs/00b_roofline.ipynb #da42921a
 import time
@@ -266,3 +267,126 @@ class Ledger:
     def summary(self):
         t = max(self.tokens_out, 1)
         return {k: getattr(self, k) / t for k in ("weight_bytes", "kv_read_bytes", "kv_write_bytes", "activation_bytes", "flops")}
+
+# %% ../nbs/00b_roofline.ipynb #7ff3013e
+import json, re
+from pathlib import Path
+
+def scoreboard_path():
+    "`benchmarks/scoreboard.json` of the source checkout minfer runs from."
+    import minfer
+    return Path(minfer.__file__).resolve().parent.parent / "benchmarks" / "scoreboard.json"
+
+@dataclass(frozen=True)
+class ScorePoint:
+    """One measured decode speed: `tok_s` generated tokens/s (summed over the batch) at `mb_per_token` MB moved per
+    generated token, by chapter `chapter`'s `technique` on `machine`; `source`: the record or notebook it comes from."""
+    chapter: str
+    technique: str
+    machine: str
+    dtype: str
+    batch: int
+    tok_s: float
+    mb_per_token: float
+    source: str
+    measured: str = ""   # what was timed, in the source's words
+    bytes: str = ""      # how mb_per_token follows from the source
+
+class Scoreboard:
+    """Measured points against the floor (copy bandwidth / bytes per token) of the machine each ran on. Chapters are
+    compared as strings ("00b" < "01" < "05c" < "14"), so `upto="05c"` means every chapter up to 05c."""
+    def __init__(self, machines, points=(), no_point=None, gflops_per_token=None):
+        self.machines, self.points, self.no_point = dict(machines), [], dict(no_point or {})
+        self.gflops_per_token = gflops_per_token  # the model's FLOPs per token, for the machines' compute roofs
+        for p in points: self.add(p)
+
+    @classmethod
+    def load(cls, path=None):
+        "Read the checked-in measurements (default: `benchmarks/scoreboard.json`)."
+        path = Path(path) if path else scoreboard_path()
+        if not path.exists():
+            raise FileNotFoundError(f"no scoreboard at {path}; it lives in the source checkout's benchmarks/")
+        data = json.loads(path.read_text())
+        return cls(data["machines"], data["points"], data.get("no_point"), data.get("gflops_per_token"))
+
+    def add(self, point):
+        "Check a point (a dict or `ScorePoint`) and keep it; a bad point is refused in one line."
+        try:
+            p = point if isinstance(point, ScorePoint) else ScorePoint(**point)
+        except TypeError as e:  # a missing or misspelt field
+            raise ValueError(f"scoreboard point {dict(point).get('chapter')!r}: {e}") from None
+        where = f"scoreboard point {p.chapter!r} {p.technique!r}"
+        if not re.fullmatch(r"\d\d[a-z]?", str(p.chapter)): raise ValueError(f"{where}: chapter must look like '05c'")
+        if p.machine not in self.machines:
+            raise ValueError(f"{where}: machine {p.machine!r} is unknown; use one of {', '.join(self.machines)}")
+        if p.dtype not in DTYPE_BYTES:
+            raise ValueError(f"{where}: dtype {p.dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+        if not (isinstance(p.batch, int) and p.batch >= 1):
+            raise ValueError(f"{where}: batch must be an integer >= 1, got {p.batch!r}")
+        for name in ("tok_s", "mb_per_token"):
+            value = getattr(p, name)
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"{where}: {name} must be > 0, got {value!r}")
+        if not p.source.startswith(("benchmarks/", "nbs/")):
+            raise ValueError(f"{where}: source {p.source!r} must name a record in benchmarks/ or a notebook in nbs/")
+        floor = self.floor(p)
+        # no run outpaces its machine's bandwidth floor: a point that does has its bytes per token wrong
+        if floor and p.tok_s > floor:
+            raise ValueError(f"{where}: {p.tok_s} tok/s is above its floor of {floor:.1f} at {p.mb_per_token} MB/token")
+        self.points.append(p)
+        return p
+
+    def floor(self, p):
+        "Tokens/s the point's machine allows at its bytes per token: copy bandwidth / bytes (None if not measured)."
+        gbs = self.machines[p.machine].get("bandwidth_gbs")
+        return gbs * 1e3 / p.mb_per_token if gbs else None
+
+    def upto(self, chapter=None):
+        return [p for p in self.points if chapter is None or p.chapter <= chapter]
+
+    def report(self, chapter):
+        "One line per point of `chapter` (or why it has none)."
+        own = [p for p in self.points if p.chapter == chapter]
+        if not own: return [f"chapter {chapter}: no point; {self.no_point.get(chapter, 'not on the scoreboard')}"]
+        lines = []
+        for p in own:
+            floor = self.floor(p)
+            share = f", {p.tok_s / floor:.0%} of the floor ({floor:.0f} tok/s)" if floor else ""
+            lines.append(f"{p.chapter} {p.technique} ({p.dtype}, batch {p.batch}): {p.tok_s:.1f} tok/s at "
+                         f"{p.mb_per_token:.0f} MB/token{share}; {self.machines[p.machine]['name']}; {p.source}")
+        return lines
+
+    def show(self, upto=None, ax=None):
+        """Draw every point of the chapters up to `upto` (that chapter's own points outlined) against each machine's
+        floor and, where its matmul rate was measured, its compute roof; print that chapter's points."""
+        import numpy as np, matplotlib.pyplot as plt
+        points = self.upto(upto)
+        if upto: print("\n".join(self.report(upto)))
+        ax = ax or plt.subplots(figsize=(8, 4.6))[1]
+        mb = np.logspace(0.5, 3.2, 100)
+        markers = dict(zip(self.machines, "osD^v"))
+        for k, (key, m) in enumerate(self.machines.items()):
+            if not any(p.machine == key for p in points) or not m.get("bandwidth_gbs"): continue
+            roof = m["bandwidth_gbs"] * 1e3 / mb
+            label = f"floor, {m['short']}: {m['bandwidth_gbs']} GB/s / bytes"
+            if m.get("fp32_gflops") and self.gflops_per_token:
+                compute_roof = m["fp32_gflops"] / self.gflops_per_token
+                roof = np.minimum(roof, compute_roof)
+                label += f"; fp32 matmul roof {compute_roof:.0f} tok/s"
+            ax.loglog(mb, roof, ls="--", color=f"C{k}", lw=1, label=label)
+        for p in points:
+            k, mine = list(self.machines).index(p.machine), p.chapter == upto
+            ax.scatter([p.mb_per_token], [p.tok_s], marker=markers[p.machine], s=70 if mine else 35, color=f"C{k}",
+                       edgecolors="k" if mine else "none", alpha=1 if mine or upto is None else 0.55, zorder=3)
+            ax.annotate(p.chapter, (p.mb_per_token, p.tok_s), fontsize=7, xytext=(4, 2), textcoords="offset points")
+        for k, (key, m) in enumerate(self.machines.items()):  # legend entries for the machines' markers
+            if any(p.machine == key for p in points):
+                ax.scatter([], [], marker=markers[key], color=f"C{k}", label=m["short"])
+        ax.set_xlabel("MB moved per generated token (weights shared by the batch)")
+        ax.set_ylabel("generated tokens/s")
+        ax.set_xlim(mb[0], mb[-1])
+        ax.set_ylim(2, 3000)
+        ax.set_title(f"scoreboard: measured decode, SmolLM2-135M, chapters up to {upto or 'the last'}")
+        ax.legend(fontsize=7, loc="lower left")
+        ax.grid(True, which="both", alpha=0.2)
+        return ax

@@ -42,3 +42,27 @@ def test_the_check_can_fail():
     fine = ["For a hands-on session, `make workshop` writes student copies", "the tissue of the argument",
             "a 2-core Xeon VM under other work", "an engineering trade-off"]
     assert not any(build_log_phrases(s) for s in fine), [s for s in fine if build_log_phrases(s)]
+
+
+MEASURED_ON = re.compile(r"^\s*(?:\*\*)?Measured on:", re.MULTILINE)
+
+
+def measured_on_lines(cells):
+    "The markdown lines that say which machine a chapter's stored numbers come from."
+    return [m.group(0) for c in cells if c["cell_type"] == "markdown" for m in MEASURED_ON.finditer("".join(c["source"]))]
+
+
+def test_each_chapter_names_its_machine_once():
+    "One 'Measured on:' line per chapter: the machine of its stored numbers (or that nothing in it is timed)."
+    wrong = {}
+    for nb in sorted(NBS.glob("[0-9][0-9]*_*.ipynb")):
+        n = len(measured_on_lines(json.loads(nb.read_text())["cells"]))
+        if n != 1: wrong[nb.name] = n
+    assert not wrong, f"chapters without exactly one 'Measured on:' line (name: count): {wrong}"
+
+
+def test_the_machine_check_can_fail():
+    md = lambda text: {"cell_type": "markdown", "source": [text]}
+    assert len(measured_on_lines([md("**Measured on:** a 2-core VM"), md("Measured on: the same VM")])) == 2
+    assert len(measured_on_lines([md("## 8 · Measured on a GPU"), md("numbers measured on: a Xeon")])) == 0
+    assert len(measured_on_lines([{"cell_type": "code", "source": ["# Measured on: x"]}])) == 0
