@@ -9,7 +9,7 @@ Screenshots go to _build/site/screenshots/.
 Chromium: `bash tools/install_chromium.sh` (run by `make test`). Without it the browser tests skip, with the reason,
 unless CI is set: in CI they fail.
 """
-import functools, html.parser, http.server, os, re, shutil, sys, threading, time
+import functools, html.parser, json, http.server, os, re, shutil, sys, threading, time
 from pathlib import Path
 from urllib.parse import unquote, urldefrag, urlparse
 
@@ -66,6 +66,18 @@ def test_docs_are_current():
 
 def test_readme_is_rendered_from_index():
     assert (ROOT / "README.md").read_text() == readme.render(), "README.md is stale: run python tools/readme.py"
+
+
+def test_code_fold_cells_fold_away(tmp_path):
+    "A `#| code-fold: true` cell keeps its code and outputs behind a 'Show the code' toggle; other cells stay open."
+    cells = [{"id": i, "cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None, "source": src}
+             for i, src in (("f", "#| code-fold: true\nx = 1"), ("o", "y = 2"), ("n", "#| code-fold: false\nz = 3"))]
+    nb_path = tmp_path / "t.ipynb"
+    nb_path.write_text(json.dumps({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+    folded, plain_cell, unfolded = build_docs.process_notebook(nb_path, {}, {}).cells
+    assert "hide-input" in folded.metadata["tags"] and folded.metadata["mystnb"]["code_prompt_show"] == "Show the code"
+    assert folded.source.strip() == "x = 1"
+    for c in (plain_cell, unfolded): assert "hide-input" not in c.metadata.get("tags", []) and "mystnb" not in c.metadata
 
 
 def test_site_has_every_notebook_and_module():

@@ -7,9 +7,9 @@ Steps:
  1. every notebook in nbs/ (filename order) goes through nbdev's `NBProcessor` with nbdev's own processors for its
     directives (`#| hide`, `hide_line`, `filter_stream`, ANSI and magics cleanup) plus this site's: `#| export` cells
     stay visible (they are the course) under a line naming what they export, linked to the API reference and
-    targeted by it; `show_doc(X)` cells become autodoc entries; exercise solutions fold away; widget outputs, which
-    need a live kernel, become a note; `#| gpu`/`slow`/`notest` cells get a flag. Stored outputs are kept: nothing
-    is executed.
+    targeted by it; `show_doc(X)` cells become autodoc entries; exercise solutions and `#| code-fold: true` cells
+    fold away (myst-nb's hide-input: a "Show the code" toggle); widget outputs, which need a live kernel, become a
+    note; `#| gpu`/`slow`/`notest` cells get a flag. Stored outputs are kept: nothing is executed.
  2. API pages: one per `minfer` module, Sphinx autodoc over its `__all__`; each name links back to the notebook cell
     that exports it (found through the `# %% ../nbs/X.ipynb #cellid` markers nbdev writes into the modules).
  3. the instructor guide, generated from the notebooks (chapters, exercises, GPU parts, suggested workshop plans) and
@@ -196,6 +196,10 @@ def process_notebook(path, symbols, titles):
             tags = cell.metadata.setdefault("tags", [])
             if "hide-input" not in tags: tags.append("hide-input")
             cell.metadata["mystnb"] = {"code_prompt_show": "Show the solution", "code_prompt_hide": "Hide the solution"}
+        elif str(d.get("code-fold", "false")).lower() in ("", "true"):  # Quarto's code-fold: a folded cell
+            tags = cell.metadata.setdefault("tags", [])
+            if "hide-input" not in tags: tags.append("hide-input")
+            cell.metadata["mystnb"] = {"code_prompt_show": "Show the code", "code_prompt_hide": "Hide the code"}
         outs = []
         for o in cell.get("outputs", []):
             data = o.get("data", {})
