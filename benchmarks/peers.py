@@ -53,8 +53,10 @@ class Peer:
     """A warm peer process: `Peer("llama.cpp").call("decode", ids=..., n=...)` -> its answer dict (timed inside)."""
     def __init__(self, name, **load):
         self.name = name
+        # a peer runs as it ships: not under the OpenMP wait policy a caller may have set for minfer's own runs
+        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
         self.proc = subprocess.Popen([str(peer_python(name)), str(WORKER), name], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, cwd=ROOT)
+                                     stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env)
         self.info = self.call("version")
         if load: self.call("load", **load)
 
