@@ -130,9 +130,10 @@ def main():
         lines.append(f"- {mix}-heavy mix: prompts {min(plens)}-{max(plens)} tokens (median {statistics.median(plens):.0f}, "
                      f"total {sum(plens)}), outputs {min(olens)}-{max(olens)} (total {sum(olens)}), all at t=0")
     lines += [f"- minfer {k[1]} ({k[0]}): `{v}`" for k, v in configs.items()]
-    import transformers
-    lines += [f"- transformers {transformers.__version__} (the project's venv): generate() in left-padded static batches "
-              f"of {a.hf_batch}, each to its longest output"]
+    if not a.no_transformers:
+        import transformers
+        lines += [f"- transformers {transformers.__version__} (the project's venv): generate() in left-padded static "
+                  f"batches of {a.hf_batch}, each to its longest output"]
     lines += [f"- vLLM: {v}" + ("" if v.startswith("PEER MISSING") else " (its own venv, offline generate over the same "
                                 "token ids, greedy, ignore_eos)") for v in peers.values()][:1]
     lines += ["", "| dtype | mix | " + " | ".join(f"minfer {h} tok/s" for h in head)

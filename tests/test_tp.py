@@ -170,3 +170,30 @@ def test_no_rank_outlives_the_program(tmp_path):
 def test_what_cannot_split_is_refused_in_one_line(switches, words):
     with pytest.raises(ValueError) as e: EngineConfig(**{"tensor_parallel_size": 2, **switches}).resolve()
     assert words in str(e.value) and "\n" not in str(e.value) and "'auto'" not in str(e.value)
+
+
+def test_serve_tensor_parallel_and_sigterm_leave_no_rank():
+    "`minfer serve --tensor-parallel-size 2` answers over HTTP; SIGTERM to the server leaves no rank behind."
+    import httpx, psutil, re, threading
+    cmd = [sys.executable, "-m", "minfer.serve", "--host", "127.0.0.1", "--port", "0", "--tensor-parallel-size", "2"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    try:
+        log, url, deadline = [], None, time.time() + 300
+        while url is None:
+            line = proc.stderr.readline()
+            assert line and time.time() < deadline, "the server did not start:\n" + "".join(log)
+            log.append(line)
+            if m := re.search(r"ready on (http://\S+)", line): url = m.group(1)
+        threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
+        ranks = [c.pid for c in psutil.Process(proc.pid).children(recursive=True) if "spawn" in " ".join(c.cmdline())]
+        assert len(ranks) == 1, ranks  # rank 0 is the server's own process
+        r = httpx.post(url + "/v1/completions", timeout=120, json=dict(model="smollm2-135m-instruct",
+                       prompt="The capital of France is", max_tokens=6, temperature=0))
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6, r.text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    deadline = time.time() + 10
+    while any(alive(p) for p in ranks) and time.time() < deadline: time.sleep(0.2)
+    assert not any(alive(p) for p in ranks), "a rank outlived the server"
