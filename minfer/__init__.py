@@ -1,9 +1,4 @@
-"""Learn and use the techniques behind fast LLM inference: a literate, step-by-step inference engine.
-
-Modules:
-
-- `minfer.serve`: One engine thread stepping continuously; requests from many connections join it between steps and stream their tokens back through a queue each. `minfer serve` speaks OpenAI's API, so the `openai` package, `curl` and the chat page at `/` all talk to it.
-- `minfer.structured`: Constrain the output to a JSON schema, a regex, a list of choices or a grammar: a mask on the logits before every draw, built from an automaton; where the automaton allows one continuation only, append it without a forward pass."""
+"""Learn and use the techniques behind fast LLM inference: a literate, step-by-step inference engine."""
 
 __version__ = "0.1.0"
 "minfer: learn and use the techniques behind fast LLM inference. The public API is `LLM` and `SamplingParams`."

@@ -1,4 +1,4 @@
-"""Llama 3.x, Qwen2.5, Qwen3, Gemma 2 and 3, Mistral, Phi-3/4 and SmolLM3 as small adapters over chapter 00a's one decoder; the loader refuses a checkpoint tensor nobody reads; and what each difference does to bytes per token.
+"""Ten model families as small adapters over one decoder, each equal to transformers, and what each costs in bytes.
 
 Docs: https://minfer.github.io/minfer/families.html.md"""
 

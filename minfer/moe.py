@@ -1,4 +1,4 @@
-"""A router picks k of E expert MLPs for each token; a token computes like a small dense model, but a batch reads the weights of every expert any of its tokens chose.
+"""A router picks k of E experts per token: a token computes like a small model, a batch reads every expert it touches.
 
 Docs: https://minfer.github.io/minfer/moe.html.md"""
 

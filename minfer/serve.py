@@ -1,6 +1,4 @@
-"""One engine thread stepping continuously; requests from many connections join it between steps and stream their
-tokens back through a queue each. `minfer serve` speaks OpenAI's API, so the `openai` package, `curl` and the chat
-page at `/` all talk to it.
+"""An OpenAI-compatible server: one engine thread steps; requests join between steps and stream back.
 
 Docs: https://minfer.github.io/minfer/serve.html.md"""
 

@@ -1,5 +1,4 @@
-"""Constrain the output to a JSON schema, a regex, a list of choices or a grammar: a mask on the logits before every
-draw, built from an automaton; where the automaton allows one continuation only, append it without a forward pass.
+"""Constrain output to a JSON schema, regex, choice or grammar: a mask per draw, jumps where forced.
 
 Docs: https://minfer.github.io/minfer/structured.html.md"""
 

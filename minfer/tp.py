@@ -1,4 +1,4 @@
-"""Every layer's weights split over N processes, Megatron-style: each streams 1/N of the bytes, and two all-reduces per layer put the sums back together.
+"""Every layer split over N processes, Megatron-style: 1/N of the bytes each, and two all-reduces a layer to add up.
 
 Docs: https://minfer.github.io/minfer/tp.html.md"""
 
