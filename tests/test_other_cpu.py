@@ -16,7 +16,8 @@ from minfer.cpu_kernels import build_cpu_kernels, cpu_kernels_available, _cpu_fe
 AVX2_ONLY = {"MINFER_NO_AVX512": "1", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
              "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 STAND_IN = os.environ.get("MINFER_NO_AVX512") == "1"  # this process is the subprocess
-FILES = ["test_cpu_kernels.py", "test_cpu_step.py", "test_awq_step.py", "test_parity.py", "test_other_cpu.py"]
+FILES = ["test_cpu_kernels.py", "test_cpu_step.py", "test_awq_step.py", "test_awq_q4x8.py", "test_parity.py",
+         "test_other_cpu.py"]
 # what runs again: every test of these files but slow ones whose arithmetic is checked by another that runs: fp32
 # parity with transformers on a 500-token prompt is kept once (the step, after the fused modules' prefill), fp32
 # greedy tokens through LLM are left to those logits; the GGUF conversion, the tokenizer and the switch's resolution
