@@ -8,6 +8,9 @@ K/V is in tests/test_paged_radix.py, and the engine's scheduling properties with
 int4 (KIVI-style): packing against hand-written bytes, both layouts' errors against an independent computation of the
 step, the residual window, block moves with an incomplete block, and paged attention against an independent reference
 of the rule "complete blocks quantized, a query's own block unquantized until its last token", for any chunking.
+Triton: chapter 05a's decode kernel with this chapter's tile loaders (int8 / fp8, int4) against attend on dequantized
+K/V and the int4 rule's reference (Triton's interpreter on a CPU, compiled on a GPU), and `attention="triton"` against
+chapter 03's PagedAttention on pools filled the same way.
 """
 import os
 from types import SimpleNamespace
@@ -221,9 +224,10 @@ def triton_int8_decode_case(dtype, device, lens, H=2, Hq=6, D=16, bs=4, num_spli
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 1e-2)])
 @pytest.mark.parametrize("num_splits", [None, 3])
 def test_triton_decode_reads_int8_tile_by_tile(dtype, tol, num_splits, kv_dtype):
-    "Chapter 05a's decode kernel with the 8-bit loader (interpreter on a CPU: fp32/fp16, small shapes) == dequantized."
+    """Chapter 05a's decode kernel with the 8-bit loader (interpreter on a CPU: fp32/fp16, small shapes) == dequantized;
+    the 70-token sequence's splits hold two key tiles each by default (the online softmax rescales)."""
     if torch.cuda.is_available(): pytest.skip("the compiled version is test_triton_int8_decode_compiled")
-    out, ref = triton_int8_decode_case(dtype, "cpu", [11, 1, 29, 6], num_splits=num_splits, kv_dtype=kv_dtype)
+    out, ref = triton_int8_decode_case(dtype, "cpu", [11, 1, 29, 6, 70], num_splits=num_splits, kv_dtype=kv_dtype)
     assert torch.allclose(out, ref, atol=tol), (out - ref).abs().max()
 
 
@@ -480,9 +484,9 @@ def test_triton_decode_reads_int4_tile_by_tile(dtype, tol):
     """Chapter 05a's decode kernel with the int4 loader (interpreter on a CPU: fp32/fp16, small shapes) == the
     independent reference: complete blocks dequantized (two codes a byte, per-channel key and per-group value scales),
     the blocks not complete yet read from the residual window; lengths with a complete, a partial and a one-token last
-    block."""
+    block, and one of 70 tokens, whose splits hold two key tiles each (the online softmax rescales)."""
     if torch.cuda.is_available(): pytest.skip("the compiled version is test_triton_int4_decode_compiled")
-    out, ref = triton_int4_decode_case(dtype, "cpu", [11, 1, 29, 8])
+    out, ref = triton_int4_decode_case(dtype, "cpu", [11, 1, 29, 8, 70])
     assert torch.allclose(out, ref, atol=tol), (out - ref).abs().max()
 
 
@@ -491,3 +495,32 @@ def test_triton_decode_reads_int4_tile_by_tile(dtype, tol):
 def test_triton_int4_decode_compiled(dtype, tol):
     out, ref = triton_int4_decode_case(dtype, "cuda", [517, 1, 300, 33, 64], H=8, Hq=32, D=128, bs=16)
     assert torch.allclose(out, ref, atol=tol), (out - ref).abs().max()
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "int4"])
+def test_triton_backend_reads_quantized_pools_like_the_reference(kv_dtype):
+    """`attention="triton"` (this chapter's `QuantizedTritonAttention` in chapter 03's registry) == chapter 03's
+    PagedAttention, each on its own pool filled the same way: a prefill, a mixed step (a decode row beside a prefill
+    chunk: chapter 03's path) and a decode step (chapter 05a's kernel with this chapter's loaders), fp32."""
+    if torch.cuda.is_available(): pytest.skip("runs in Triton's interpreter (fp32, small shapes)")
+    from minfer.kvquant import QuantizedTritonAttention
+    from minfer.paged import ATTENTION_BACKENDS
+    assert ATTENTION_BACKENDS["triton"] is QuantizedTritonAttention and kv_dtype in QuantizedTritonAttention.kv_dtypes
+    cfg = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=2, head_dim=16)
+    steps = [[(0, 0, 9)], [(0, 9, 1), (1, 0, 6)], [(0, 10, 1), (1, 6, 1)]]  # (sequence, tokens before, new tokens)
+    g = torch.Generator().manual_seed(0)
+    data = [[torch.randn(n, h, 16, generator=g) for h in (6, 2, 2)] for step in steps for _, _, n in step]
+    outs = {}
+    for backend in ("torch", "triton"):
+        cache = (Int4KVCache(cfg, 8, 4, residual_slots=2) if kv_dtype == "int4"
+                 else QuantizedKVCache(cfg, 8, 4, kv_dtype=kv_dtype))
+        cache.allocator.allocate(8)
+        tables = [BlockTable(cache.allocator, blocks, 0, share=False) for blocks in ([5, 2, 7], [0, 3])]
+        attn, rows, outs[backend] = ATTENTION_BACKENDS[backend](cache), iter(data), []
+        for step in steps:
+            for j, _, n in step: tables[j].append_slots(n)
+            attn.meta = build_batch_meta([(tables[j], start, n) for j, start, n in step], 4)
+            q, k, v = (torch.cat(x) for x in zip(*[next(rows) for _ in step]))
+            outs[backend].append(attn(0, q, k, v))
+    for step, ref, out in zip(steps, outs["torch"], outs["triton"]):
+        assert (out - ref).abs().max() < 1e-5, (step, (out - ref).abs().max())
