@@ -8,6 +8,9 @@ K/V is in tests/test_paged_radix.py, and the engine's scheduling properties with
 int4 (KIVI-style): packing against hand-written bytes, both layouts' errors against an independent computation of the
 step, the residual window, block moves with an incomplete block, and paged attention against an independent reference
 of the rule "complete blocks quantized, a query's own block unquantized until its last token", for any chunking.
+Triton: chapter 05a's decode kernel with this chapter's tile loaders (int8 / fp8, int4) against attend on dequantized
+K/V and the int4 rule's reference (Triton's interpreter on a CPU, compiled on a GPU), and `attention="triton"` against
+chapter 03's PagedAttention on pools filled the same way.
 """
 import os
 from types import SimpleNamespace
@@ -182,9 +185,11 @@ def dequantized(x, kv_dtype="int8"): return KV_FORMATS[kv_dtype].dequantize(*KV_
 
 
 def triton_int8_decode_case(dtype, device, lens, H=2, Hq=6, D=16, bs=4, num_splits=None, seed=0, kv_dtype="int8"):
-    """Random int8 (or fp8) pool (NaN scales where nothing was stored), one decode token per sequence: Triton vs
-    attend on K/V quantized and dequantized by the format's own PyTorch functions."""
-    from minfer.flash import decode_attention, TritonAttention
+    """Random int8 (or fp8) pool (NaN scales where nothing was stored), one decode token per sequence: chapter 05a's
+    Triton kernel with this chapter's loader (through the backend `attention="triton"`, or `decode_attention_8bit` with
+    `num_splits`) vs attend on K/V quantized and dequantized by the format's own PyTorch functions."""
+    from minfer.kvquant import decode_attention_8bit
+    from minfer.paged import ATTENTION_BACKENDS
     from minfer.model import attend
     g = torch.Generator().manual_seed(seed)
     cfg = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=H, head_dim=D)
@@ -205,12 +210,9 @@ def triton_int8_decode_case(dtype, device, lens, H=2, Hq=6, D=16, bs=4, num_spli
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     if num_splits is None:  # through the backend's decode path, which turns q where keys are stored rotated (fp8)
         meta = SimpleNamespace(max_seqlen_q=1, seq_lens=seq_lens, block_tables=bt)
-        out = TritonAttention.attention(None, q.to(device, dtype), kc, vc, meta)
+        out = ATTENTION_BACKENDS["triton"](None).attention(q.to(device, dtype), kc, vc, meta)
     else:
-        R = cache.key_rotation
-        qr = q if R is None else q @ R.cpu()
-        out = decode_attention(qr.to(device, dtype), kc.codes, vc.codes, bt, seq_lens, num_splits=num_splits,
-                               k_scale=kc.scales, v_scale=vc.scales)
+        out = decode_attention_8bit(q.to(device, dtype), kc, vc, bt, seq_lens, num_splits=num_splits)
     # the reference: the format's own PyTorch quantize/dequantize, keys turned by key_rotation and back for fp8
     R = key_rotation(D) if KV_FORMATS[kv_dtype].rotate_keys else torch.eye(D)
     ref = torch.cat([attend(q[i:i + 1], dequantized(ks[i] @ R, kv_dtype) @ R.T, dequantized(vs[i], kv_dtype))
@@ -222,9 +224,10 @@ def triton_int8_decode_case(dtype, device, lens, H=2, Hq=6, D=16, bs=4, num_spli
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 1e-2)])
 @pytest.mark.parametrize("num_splits", [None, 3])
 def test_triton_decode_reads_int8_tile_by_tile(dtype, tol, num_splits, kv_dtype):
-    "Chapter 05a's decode kernel on an int8 / fp8 pool (interpreter on a CPU: fp32/fp16, small shapes) == dequantized."
+    """Chapter 05a's decode kernel with the 8-bit loader (interpreter on a CPU: fp32/fp16, small shapes) == dequantized;
+    the 70-token sequence's splits hold two key tiles each by default (the online softmax rescales)."""
     if torch.cuda.is_available(): pytest.skip("the compiled version is test_triton_int8_decode_compiled")
-    out, ref = triton_int8_decode_case(dtype, "cpu", [11, 1, 29, 6], num_splits=num_splits, kv_dtype=kv_dtype)
+    out, ref = triton_int8_decode_case(dtype, "cpu", [11, 1, 29, 6, 70], num_splits=num_splits, kv_dtype=kv_dtype)
     assert torch.allclose(out, ref, atol=tol), (out - ref).abs().max()
 
 
@@ -238,10 +241,11 @@ def test_triton_int8_decode_compiled(dtype, tol, kv_dtype):
     assert torch.allclose(out, ref, atol=tol), (out - ref).abs().max()
 
 
-def test_triton_refuses_an_int8_pool_without_scales():
+def test_plain_triton_decode_refuses_codes():
+    "Chapter 05a's `decode_attention` reads K/V in the query's dtype: int8 codes without their scales are refused."
     from minfer.flash import decode_attention
     cache = QuantizedKVCache(CFG, 2, 4, kv_dtype="int8")
-    with pytest.raises(ValueError, match="k_scale"):
+    with pytest.raises(ValueError, match="dtypes differ"):
         decode_attention(torch.zeros(1, 3, 64), cache.k[0], cache.v[0], torch.zeros(1, 1, dtype=torch.int32),
                          torch.ones(1, dtype=torch.int32))
 
@@ -441,9 +445,10 @@ def test_engine_runs_int4_and_answers_paris(model_dir):
 
 def triton_int4_decode_case(dtype, device, lens, H=2, Hq=6, D=16, bs=4, seed=0):
     """An int4 pool (sequences over shuffled blocks, stored in chunks of 3 so that some blocks complete and the last
-    ones may not), then one decode token per sequence through chapter 05a's Triton kernel -> (out, the independent
-    reference of the rule for each sequence's last position)."""
-    from minfer.flash import TritonAttention
+    ones may not), then one decode token per sequence through chapter 05a's Triton kernel with this chapter's int4
+    loader (the backend `attention="triton"`) -> (out, the independent reference of the rule for each sequence's last
+    position)."""
+    from minfer.paged import ATTENTION_BACKENDS
     g = torch.Generator().manual_seed(seed)
     cfg = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=H, head_dim=D)
     nblocks = sum(-(-n // bs) for n in lens) + 2
@@ -465,7 +470,7 @@ def triton_int4_decode_case(dtype, device, lens, H=2, Hq=6, D=16, bs=4, seed=0):
                      v[s:e].to(device, dtype))
     for t in tables: t.append_slots(1)
     q = torch.randn(len(lens), Hq, D, generator=g)
-    attn = TritonAttention(cache)
+    attn = ATTENTION_BACKENDS["triton"](cache)
     attn.meta = build_batch_meta([(t, n - 1, 1) for t, n in zip(tables, lens)], bs, device)
     out = attn(0, q.to(device, dtype), torch.stack([k[-1] for k in ks]).to(device, dtype),
                torch.stack([v[-1] for v in vs]).to(device, dtype))
@@ -476,11 +481,12 @@ def triton_int4_decode_case(dtype, device, lens, H=2, Hq=6, D=16, bs=4, seed=0):
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 1e-2)])
 def test_triton_decode_reads_int4_tile_by_tile(dtype, tol):
-    """Chapter 05a's decode kernel on an int4 pool (interpreter on a CPU: fp32/fp16, small shapes) == the independent
-    reference: complete blocks dequantized (two codes a byte, per-channel key and per-group value scales), the blocks
-    not complete yet read from the residual window; lengths with a complete, a partial and a one-token last block."""
+    """Chapter 05a's decode kernel with the int4 loader (interpreter on a CPU: fp32/fp16, small shapes) == the
+    independent reference: complete blocks dequantized (two codes a byte, per-channel key and per-group value scales),
+    the blocks not complete yet read from the residual window; lengths with a complete, a partial and a one-token last
+    block, and one of 70 tokens, whose splits hold two key tiles each (the online softmax rescales)."""
     if torch.cuda.is_available(): pytest.skip("the compiled version is test_triton_int4_decode_compiled")
-    out, ref = triton_int4_decode_case(dtype, "cpu", [11, 1, 29, 8])
+    out, ref = triton_int4_decode_case(dtype, "cpu", [11, 1, 29, 8, 70])
     assert torch.allclose(out, ref, atol=tol), (out - ref).abs().max()
 
 
@@ -489,3 +495,32 @@ def test_triton_decode_reads_int4_tile_by_tile(dtype, tol):
 def test_triton_int4_decode_compiled(dtype, tol):
     out, ref = triton_int4_decode_case(dtype, "cuda", [517, 1, 300, 33, 64], H=8, Hq=32, D=128, bs=16)
     assert torch.allclose(out, ref, atol=tol), (out - ref).abs().max()
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "int4"])
+def test_triton_backend_reads_quantized_pools_like_the_reference(kv_dtype):
+    """`attention="triton"` (this chapter's `QuantizedTritonAttention` in chapter 03's registry) == chapter 03's
+    PagedAttention, each on its own pool filled the same way: a prefill, a mixed step (a decode row beside a prefill
+    chunk: chapter 03's path) and a decode step (chapter 05a's kernel with this chapter's loaders), fp32."""
+    if torch.cuda.is_available(): pytest.skip("runs in Triton's interpreter (fp32, small shapes)")
+    from minfer.kvquant import QuantizedTritonAttention
+    from minfer.paged import ATTENTION_BACKENDS
+    assert ATTENTION_BACKENDS["triton"] is QuantizedTritonAttention and kv_dtype in QuantizedTritonAttention.kv_dtypes
+    cfg = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=2, head_dim=16)
+    steps = [[(0, 0, 9)], [(0, 9, 1), (1, 0, 6)], [(0, 10, 1), (1, 6, 1)]]  # (sequence, tokens before, new tokens)
+    g = torch.Generator().manual_seed(0)
+    data = [[torch.randn(n, h, 16, generator=g) for h in (6, 2, 2)] for step in steps for _, _, n in step]
+    outs = {}
+    for backend in ("torch", "triton"):
+        cache = (Int4KVCache(cfg, 8, 4, residual_slots=2) if kv_dtype == "int4"
+                 else QuantizedKVCache(cfg, 8, 4, kv_dtype=kv_dtype))
+        cache.allocator.allocate(8)
+        tables = [BlockTable(cache.allocator, blocks, 0, share=False) for blocks in ([5, 2, 7], [0, 3])]
+        attn, rows, outs[backend] = ATTENTION_BACKENDS[backend](cache), iter(data), []
+        for step in steps:
+            for j, _, n in step: tables[j].append_slots(n)
+            attn.meta = build_batch_meta([(tables[j], start, n) for j, start, n in step], 4)
+            q, k, v = (torch.cat(x) for x in zip(*[next(rows) for _ in step]))
+            outs[backend].append(attn(0, q, k, v))
+    for step, ref, out in zip(steps, outs["torch"], outs["triton"]):
+        assert (out - ref).abs().max() < 1e-5, (step, (out - ref).abs().max())
