@@ -11,7 +11,7 @@ __all__ = ['ASKS', 'SCHEDULES', 'head_config', 'EagleHead', 'FeatureTap', 'tap_o
            'HeadState', 'EagleProposer', 'EagleSpeculator']
 
 # %% ../nbs/10b_eagle.ipynb #e0a3
-import json, math, random, sys, time
+import json, math, random, re, sys, time
 from dataclasses import replace
 from pathlib import Path
 import numpy as np
@@ -86,18 +86,22 @@ ASKS = ("Summarise this text in a few sentences:\n\n{p}", "Explain this to a beg
         "Continue this text with one more paragraph:\n\n{p}", "List the key points of this text:\n\n{p}",
         "Tell me a short story that uses this idea: {s}", "Explain this sentence in your own words: {s}",
         "Write a friendly email to a colleague about this: {s}", "Why does this matter? {s}",
-        "Give me some tips related to this: {s}")
+        "Give me some tips related to this: {s}", "Write a short story about a {w}.", "Write a poem about the word '{w}'.",
+        "Explain what '{w}' means to a ten-year-old.", "Give me some advice about {w}.",
+        "Describe a day in the life of a {w}.", "What are the pros and cons of {w}?")
 
 def training_text():
     "The shipped text the prompts are made from (the benchmarks ask other things)."
     return (data_dir() / "text" / "calibration.txt").read_text()
 
 def chat_prompts(text, n, seed=0):
-    "n chat prompts made from `text`: an instruction of `ASKS` around one of its paragraphs, or one of its sentences."
+    """n chat prompts made from `text`: an instruction of `ASKS` around one of its paragraphs, one of its sentences,
+    or one of its words (the open-ended asks: stories, poems, advice, whatever the word)."""
     rng = random.Random(seed)
     paras = [p.strip() for p in text.split("\n\n") if 200 < len(p.strip()) < 900]
     sents = [s.strip() + "." for p in paras for s in p.replace("\n", " ").split(". ") if 40 < len(s.strip()) < 200]
-    return [rng.choice(ASKS).format(p=rng.choice(paras), s=rng.choice(sents)) for _ in range(n)]
+    words = sorted({w.lower() for w in re.findall(r"\b[A-Za-z]{5,12}\b", text)})
+    return [rng.choice(ASKS).format(p=rng.choice(paras), s=rng.choice(sents), w=rng.choice(words)) for _ in range(n)]
 
 @torch.inference_mode()
 def self_distill(llm, prompts, max_tokens=128, temperatures=(0.0, 0.7), seed=0, log=None):
