@@ -113,7 +113,8 @@ def main(argv=None):
              f"- command: `python benchmarks/bench_eagle.py --repeats {a.repeats} --max-tokens {a.max_tokens} "
              f"--temperature {a.temperature}{' --record' if a.record else ''}`",
              f"- model: the default (SmolLM2-135M-Instruct), default switches ({llm.config.kernels} kernels, "
-             f"{llm.config.dtype}), temperature {a.temperature}, natural stops, max_tokens={a.max_tokens}, chat template",
+             f"{llm.config.dtype}), temperature {a.temperature}, natural stops, max_tokens={a.max_tokens}, "
+             "chat template",
              f"- head: `{default_head_dir().name}` (`minfer train-eagle`, schedule {head_config['eagle']['schedule']}, "
              f"{head_config['eagle']['minutes']} min to build; draft vocabulary {head_config['draft_vocab_size']}, "
              f"held-out coverage {head_config['eagle']['held_out_coverage']:.3f})",

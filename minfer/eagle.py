@@ -86,7 +86,8 @@ ASKS = ("Summarise this text in a few sentences:\n\n{p}", "Explain this to a beg
         "Continue this text with one more paragraph:\n\n{p}", "List the key points of this text:\n\n{p}",
         "Tell me a short story that uses this idea: {s}", "Explain this sentence in your own words: {s}",
         "Write a friendly email to a colleague about this: {s}", "Why does this matter? {s}",
-        "Give me some tips related to this: {s}", "Write a short story about a {w}.", "Write a poem about the word '{w}'.",
+        "Give me some tips related to this: {s}", "Write a short story about a {w}.",
+        "Write a poem about the word '{w}'.",
         "Explain what '{w}' means to a ten-year-old.", "Give me some advice about {w}.",
         "Describe a day in the life of a {w}.", "What are the pros and cons of {w}?")
 
