@@ -175,8 +175,10 @@ def _switch(default, help, choices=None):
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Chapter 10's switch in full. method: "ngram" (prompt lookup) or "draft" (a small model of the same vocabulary,
-    `model`, default: the AWQ-int4 copy of the default model); k = num_speculative_tokens guesses per step, at most;
+    """Chapter 10's switch in full. method: "ngram" (prompt lookup), "draft" (a small model of the same vocabulary,
+    `model`, default: the AWQ-int4 copy of the default model; chapter 10a) or "eagle" (a head on the target's hidden
+    states, `model` its folder, default: the target's folder + "-eagle"; chapter 10b); k = num_speculative_tokens
+    guesses per step, at most;
     adaptive: each step, choose every request's k (0 where guessing does not pay) from the requests' running
     acceptance rates, for the whole batch at once."""
     method: str
@@ -219,8 +221,10 @@ def speculative_config(value):
                          f"prompt_lookup_min={v.prompt_lookup_min}")
     if not isinstance(v.adaptive, bool):
         raise ValueError(f"speculative adaptive={v.adaptive!r} is invalid; use True or False")
-    if v.model is not None and v.method != "draft":
-        raise ValueError(f"speculative model={v.model!r} is for method 'draft' only (got {v.method!r})")
+    readers = [name for name, cls in SPECULATORS.items() if getattr(cls, "reads_model", False)]
+    if v.model is not None and v.method not in readers:  # a draft model (chapter 10a), an EAGLE head (10b)
+        raise ValueError(f"speculative model={v.model!r} is for method {' or '.join(map(repr, readers))} only "
+                         f"(got {v.method!r})")
     return v
 
 # %% ../nbs/06b_engine.ipynb #14f84c02

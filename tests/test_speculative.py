@@ -233,7 +233,7 @@ def test_config_values():
     ("medusa", "'medusa' is not supported"), ({"method": "ngram", "k": 2}, "unknown key 'k'"),
     ("{not json", "not valid JSON"), (3, "is invalid"),
     ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_max=2"),
-    ({"method": "ngram", "model": "x"}, "for method 'draft' only"),
+    ({"method": "ngram", "model": "x"}, "is for method 'draft'"),
 ])
 def test_bad_values_one_line(value, words):
     with pytest.raises(ValueError, match=words) as e: EngineConfig(speculative=value).resolve()

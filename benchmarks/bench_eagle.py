@@ -1,0 +1,147 @@
+"""EAGLE (chapter 10b) against plain decoding and prompt lookup: chapter 10a's held-out workloads (copy-heavy and
+open-ended chat prompts; the head was trained on prompts made from data/text/calibration.txt, none of these), batch 1
+(prompts one after another) and batch 8 (one `generate` call), natural stops, chat template. One process, every
+configuration in turn within each repeat (A B C ... A B C ...), medians. At temperature 0 every output must equal the
+run without speculation. Records tokens per target pass, acceptance per depth (of the guesses made at depth j, the
+fraction the target accepted) and the head's milliseconds per guess (the proposer's time over its guesses).
+
+    python benchmarks/bench_eagle.py [--repeats 2] [--max-tokens 64] [--temperature 0] [--record]
+"""
+import argparse, datetime, json, os, statistics, sys, time
+from pathlib import Path
+
+from minfer.llm import LLM
+from minfer.sequence import SamplingParams
+from minfer.engine import SPECULATORS, speculative_config
+from minfer.eagle import default_head_dir
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_decode import machine
+from bench_speculative import workloads
+
+CONFIGS = {"none": None, "ngram adaptive": {"method": "ngram", "num_speculative_tokens": 8, "adaptive": True},
+           **{f"eagle k={k}": {"method": "eagle", "num_speculative_tokens": k} for k in (2, 3, 4)},
+           "eagle adaptive": {"method": "eagle", "num_speculative_tokens": 6, "adaptive": True}}
+
+class Probe:
+    "Counts, for one speculator, guesses and acceptances per depth and the proposer's time."
+    def __init__(self, speculator):
+        self.reset()
+        verify, propose = speculator.verify, speculator.proposer.propose
+        def counted_verify(seq, logits):
+            k = len(seq.draft_ids)
+            out = verify(seq, logits)
+            for j in range(k): self.made[j] = self.made.get(j, 0) + 1
+            for j in range(len(out) - 1): self.kept[j] = self.kept.get(j, 0) + 1
+            return out
+        def timed_propose(seqs, ks):
+            t = time.perf_counter()
+            propose(seqs, ks)
+            self.seconds += time.perf_counter() - t
+            self.guesses += sum(len(s.draft_ids) for s in seqs)
+        speculator.verify, speculator.proposer.propose = counted_verify, timed_propose
+    def reset(self): self.made, self.kept, self.seconds, self.guesses = {}, {}, 0.0, 0
+    def per_depth(self): return [round(self.kept.get(j, 0) / n, 3) for j, n in sorted(self.made.items())]
+
+def run(llm, prompts, batch, params):
+    "-> (generated tokens, seconds, outputs): prompts in groups of `batch`, each group one `generate` call."
+    t, outs = time.perf_counter(), []
+    for i in range(0, len(prompts), batch): outs += llm.generate(prompts[i:i + batch], params)
+    return sum(len(o.token_ids) for o in outs), time.perf_counter() - t, outs
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--batch1-prompts", type=int, default=4, help="prompts per workload at batch 1 (all 8 at batch 8)")
+    ap.add_argument("--record", action="store_true")
+    a = ap.parse_args(argv)
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=0)
+    # one model and engine for every configuration; each run switches the engine's speculator, what
+    # `LLM(speculative=...)` would have built
+    llm = LLM()
+    speculators, probes = {}, {}
+    for name, spec in CONFIGS.items():
+        spec = None if spec is None else SPECULATORS[spec["method"]].resolve(speculative_config(spec), llm.model_dir)
+        speculators[name] = None if spec is None else SPECULATORS[spec.method](spec, llm.engine)
+        if speculators[name] is not None: probes[name] = Probe(speculators[name])
+    work = workloads()
+    cases = [(w, b) for w in work for b in (1, 8)]
+    times = {(c, w, b): [] for c in CONFIGS for w, b in cases}
+    stats, want = {}, {}
+    llm.generate("warm up", SamplingParams(max_tokens=4))
+    for r in range(a.repeats):
+        for w, b in cases:
+            prompts = work[w] if b == 8 else work[w][:a.batch1_prompts]
+            for name, speculator in speculators.items():
+                llm.engine.runner.speculator = speculator
+                if name in probes: probes[name].reset()
+                n, dt, outs = run(llm, prompts, b, params)
+                ids = [o.token_ids for o in outs]
+                if name == "none": want.setdefault((w, b), ids)
+                if a.temperature == 0:
+                    assert ids == want[(w, b)], f"{name} on {w} batch {b}: output differs from no speculation"
+                times[(name, w, b)].append(n / dt)
+                m = [o.metrics for o in outs]
+                probe = probes.get(name)
+                stats[(name, w, b)] = dict(
+                    acceptance=statistics.mean([x["acceptance_rate"] for x in m
+                                                if x["acceptance_rate"] is not None] or [0]),
+                    tokens_per_pass=statistics.mean([x["tokens_per_pass"] for x in m if x["tokens_per_pass"]] or [1]),
+                    acceptance_per_depth=probe.per_depth() if probe else None,
+                    head_ms_per_guess=(1000 * probe.seconds / probe.guesses if probe and probe.guesses
+                                       and name.startswith("eagle") else None),
+                    tokens=n)
+                s = stats[(name, w, b)]
+                print(f"repeat {r}: {w:10s} batch {b}: {name:15s} {n / dt:7.2f} tok/s  acceptance "
+                      f"{s['acceptance']:.2f}  tokens/pass {s['tokens_per_pass']:.2f}  per depth "
+                      f"{s['acceptance_per_depth']}  head ms/guess {s['head_ms_per_guess']}", flush=True)
+    rows = []
+    for w, b in cases:
+        base = statistics.median(times[("none", w, b)])
+        for name in CONFIGS:
+            v = times[(name, w, b)]
+            rows.append(dict(workload=w, batch=b, config=name, tok_s=statistics.median(v),
+                             speedup=statistics.median(v) / base,
+                             per_repeat=[x / y for x, y in zip(v, times[("none", w, b)])], **stats[(name, w, b)]))
+    head_config = json.loads((default_head_dir() / "config.json").read_text())
+    lines = [f"# EAGLE against plain decoding and prompt lookup, medians of {a.repeats} alternating runs", "",
+             f"- date: {datetime.datetime.now():%Y-%m-%d %H:%M}",
+             f"- machine: {machine()}; shared machine: other jobs ran beside this one (1-minute load average at the "
+             f"end: {os.getloadavg()[0]:.1f} on 2 cores)",
+             f"- command: `python benchmarks/bench_eagle.py --repeats {a.repeats} --max-tokens {a.max_tokens} "
+             f"--temperature {a.temperature}{' --record' if a.record else ''}`",
+             f"- model: the default (SmolLM2-135M-Instruct), default switches ({llm.config.kernels} kernels, "
+             f"{llm.config.dtype}), temperature {a.temperature}, natural stops, max_tokens={a.max_tokens}, "
+             "chat template",
+             f"- head: `{default_head_dir().name}` (`minfer train-eagle`, schedule {head_config['eagle']['schedule']}, "
+             f"{head_config['eagle']['minutes']} min to build; draft vocabulary {head_config['draft_vocab_size']}, "
+             f"held-out coverage {head_config['eagle']['held_out_coverage']:.3f})",
+             f"- prompts: chapter 10a's workloads (held out: the head never saw them); batch 1: the first "
+             f"{a.batch1_prompts} of each one after another; batch 8: all 8 in one `generate` call",
+             "- " + ("every speculative run's tokens were identical to the run without speculation (asserted)"
+                     if a.temperature == 0 else "sampled: outputs differ between configurations, their law does not"),
+             "- speedup: median tok/s over the plain run's median; per repeat: against the plain run of the same "
+             "repeat; acceptance per depth: of the guesses made at depth j (1, 2, ...), the fraction accepted",
+             "", "| workload | batch | config | tok/s | speedup | per repeat | acceptance | tokens / target pass | "
+             "acceptance per depth | head ms / guess |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        depth = ", ".join(f"{x:.2f}" for x in r["acceptance_per_depth"]) if r["acceptance_per_depth"] else "-"
+        head_ms = f"{r['head_ms_per_guess']:.2f}" if r["head_ms_per_guess"] else "-"
+        lines.append(f"| {r['workload']} | {r['batch']} | {r['config']} | {r['tok_s']:.1f} | {r['speedup']:.2f}x | "
+                     f"{', '.join(f'{x:.2f}' for x in r['per_repeat'])} | {r['acceptance']:.2f} | "
+                     f"{r['tokens_per_pass']:.2f} | {depth} | {head_ms} |")
+    report = "\n".join(lines) + "\n"
+    print(report)
+    if a.record:
+        stamp = f"{datetime.datetime.now():%Y-%m-%d-%H%M}"
+        out = Path(__file__).parent / f"eagle-{stamp}"
+        out.with_suffix(".md").write_text(report)
+        record = dict(temperature=a.temperature, rows=rows,
+                      head={k: v for k, v in head_config["eagle"].items()})
+        out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
+        print("recorded", out.with_suffix(".md"))
+
+if __name__ == "__main__":
+    main()

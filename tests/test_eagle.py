@@ -1,0 +1,179 @@
+"""Chapter 10b: EAGLE heads.
+
+References: plain decoding (speculative=None) for greedy outputs, with any head (a randomly initialised one, and a tiny
+one trained here for a few seconds on the target's answers to these prompts, so that guesses are accepted too); the
+target's own distribution for sampled outputs (the style of test_speculative's histogram tests, its `tv`); a fresh run
+of the head over the same tokens and the target's features for the head's KV.
+"""
+import json
+from pathlib import Path
+import pytest, torch
+
+from minfer.cli import main as cli_main
+from minfer.eagle import EagleHead, head_config, save_head, load_head, train_head, draft_vocabulary, tap_of
+from minfer.engine import EngineConfig
+from minfer.llm import LLM
+from minfer.model import NoCache, attend
+from minfer.sequence import Sequence, SamplingParams
+from test_speculative import REPEATS, tv
+from test_engine import TEXTS
+
+PROMPTS = [REPEATS[2], TEXTS[0], "hi", REPEATS[1], TEXTS[2] * 2, "Tell me a story about a dragon.", REPEATS[0], "x"]
+
+
+@pytest.fixture(scope="module")
+def plain(model_dir): return LLM(model_dir)
+
+@pytest.fixture(scope="module")
+def random_head(plain, tmp_path_factory):
+    torch.manual_seed(0)
+    return str(save_head(EagleHead(head_config(plain.model.cfg), 512), tmp_path_factory.mktemp("random") / "h",
+                         plain.model_dir))
+
+@pytest.fixture(scope="module")
+def tiny_head(plain, tmp_path_factory):
+    "A head trained for a few seconds on the target's own greedy answers to PROMPTS: it has learnt them by heart."
+    torch.manual_seed(0)
+    ids = [plain.tokenizer.encode(p) for p in PROMPTS[:4]]
+    outs = plain.generate(PROMPTS[:4], SamplingParams(max_tokens=40, ignore_eos=True), raw=True)
+    tap, data = tap_of(plain.model), []
+    with torch.inference_mode():
+        for p, o in zip(ids, outs):
+            seq = torch.tensor(p + o.token_ids)
+            plain.model(seq, torch.arange(len(seq)), NoCache(), logits_rows=torch.tensor([len(seq) - 1]))
+            data.append((seq, tap.features()))
+    head = EagleHead(head_config(plain.model.cfg), 1024).attach(plain.model)
+    d2t = draft_vocabulary(data, 1024)
+    with torch.no_grad(): head.lm_head.weight.copy_(plain.model.lm_head.weight[d2t]); head.d2t.copy_(d2t)
+    train_head(head, data, steps=60, rows=4, length=64, lr=3e-3, noise=0.0)
+    return str(save_head(head, tmp_path_factory.mktemp("tiny") / "h", plain.model_dir))
+
+
+def eagle(model_dir, head, k=3, **kw):
+    return LLM(model_dir, speculative={"method": "eagle", "model": head, "num_speculative_tokens": k, **kw})
+
+
+# ---- greedy: identical to plain decoding, whatever the head ------------------------------------------------------
+@pytest.mark.parametrize("which", ["random", "tiny"])
+def test_greedy_identical_batch_1_and_8(model_dir, plain, random_head, tiny_head, which):
+    head = random_head if which == "random" else tiny_head
+    p = SamplingParams(max_tokens=24, ignore_eos=True)
+    want = [o.token_ids for o in plain.generate(PROMPTS, p, raw=True)]
+    spec = eagle(model_dir, head)
+    alone = [spec.generate(x, p, raw=True)[0] for x in PROMPTS[:3]]
+    assert [o.token_ids for o in alone] == want[:3]
+    batched = spec.generate(PROMPTS, p, raw=True)  # 8 prompts of 1 to ~40 tokens, one continuous batch
+    assert [o.token_ids for o in batched] == want
+    if which == "tiny":  # the machinery after an accepted guess ran: a head that learnt these answers is often right
+        assert sum(o.metrics["acceptance_rate"] for o in batched[:4]) / 4 > 0.2  # the four it learnt
+    adaptive = eagle(model_dir, head, k=4, adaptive=True).generate(PROMPTS, p, raw=True)
+    assert [o.token_ids for o in adaptive] == want
+    assert spec.engine.cache.allocator.num_used == 0
+    proposer = spec.engine.runner.speculator.proposer
+    spec.generate("one more", SamplingParams(max_tokens=3))
+    assert len(proposer.states) == 1  # the head's KV of finished requests is freed (the last one's at the next step)
+
+def test_greedy_identical_on_the_layers_path_with_prefix_cache(model_dir, plain, tiny_head):
+    "kernels='cpu' (features from the last layer's output) and prefix-cache hits (features the target never computed)."
+    p = SamplingParams(max_tokens=20, ignore_eos=True)
+    prompts = [TEXTS[0] + " one", TEXTS[0] + " two", REPEATS[2]]
+    want = [o.token_ids for o in plain.generate(prompts, p, raw=True)]
+    spec = LLM(model_dir, kernels="cpu", prefix_cache=True,
+               speculative={"method": "eagle", "model": tiny_head, "num_speculative_tokens": 2})
+    assert [o.token_ids for o in spec.generate(prompts, p, raw=True)] == want
+    assert [o.token_ids for o in spec.generate(prompts, p, raw=True)] == want  # now from the prefix cache
+
+
+# ---- sampled: the target's distribution ---------------------------------------------------------------------------
+def test_sampled_distribution_is_the_target(model_dir, plain, tmp_path):
+    """The token after the first: guessed by a head that always guesses one token (the target's likeliest there, so
+    it is accepted often and rejected often); its histogram over seeds must be the target's distribution."""
+    params = SamplingParams(temperature=1.5, top_k=3, max_tokens=2, ignore_eos=True)
+    text = "The capital of France is"
+    prompt = plain.tokenizer.encode(text)
+    from minfer.sampling import sampling_probs
+    def target_next(ids):
+        with torch.inference_mode():
+            logits = plain.model(torch.tensor(ids), torch.arange(len(ids)), NoCache(), logits_rows=[-1])[0]
+        return sampling_probs(logits, params)
+    first = target_next(prompt)
+    likeliest = int(first.argmax())
+    guess = int(target_next(prompt + [likeliest]).argmax())
+    torch.manual_seed(0)
+    head = EagleHead(head_config(plain.model.cfg), 1)
+    head.d2t.fill_(guess)  # one draft token: every guess is `guess`
+    folder = str(save_head(head, tmp_path / "one-token", plain.model_dir))
+    spec = eagle(model_dir, folder, k=1)
+    n = 400
+    outs = spec.generate([text] * n, [SamplingParams(**{**params.__dict__, "max_tokens": 3, "seed": i})
+                                        for i in range(n)], raw=True)
+    firsts = [o.token_ids[0] for o in outs]
+    want, got = torch.zeros_like(first), torch.zeros_like(first)
+    for t0 in set(firsts):  # the second token's law: the target's, given each first token, mixed as they came
+        want += firsts.count(t0) / n * target_next(prompt + [t0])
+    for o in outs: got[o.token_ids[1]] += 1 / n
+    rates = [o.metrics["acceptance_rate"] for o in outs]  # one guess per request: 0 or 1
+    assert None not in rates and 0.1 < sum(rates) / n < 0.9, sum(rates) / n  # both branches of the sampler ran
+    assert tv(got, want) < 0.08, (tv(got, want), got[got > 0], want[want > 0])  # ~9 outcomes, 400 draws
+
+
+# ---- the head's KV -------------------------------------------------------------------------------------------------
+def test_head_kv_after_rerun_equals_a_fresh_run(model_dir, plain, tiny_head):
+    "After steps with accepted guesses, the head's KV of every position it holds equals a fresh run over the tokens."
+    spec = eagle(model_dir, tiny_head)
+    seq = Sequence(plain.tokenizer.encode(PROMPTS[0]), SamplingParams(max_tokens=40, ignore_eos=True), plain.tokenizer)
+    spec.engine.add(seq)
+    while len(seq.output_ids) < 30: spec.engine.step()
+    assert seq.metrics.num_accepted_tokens > 3
+    proposer = spec.engine.runner.speculator.proposer
+    st = proposer.states[seq.id]
+    n = st.held
+    ids = torch.tensor(seq.token_ids)
+    class Keep:  # attention that remembers the head's keys and values
+        def __call__(self, layer, q, k, v, **kw):
+            self.k, self.v = k, v
+            return attend(q, k, v)
+    keep = Keep()
+    with torch.inference_mode():
+        plain.model(ids[:n], torch.arange(n), NoCache())
+        features = tap_of(plain.model).features()
+        proposer.head(ids[1:n + 1], features, torch.arange(n), keep)
+    slots = torch.tensor(st.table.slots(0, n))
+    k_pool, v_pool = (x[0].reshape(-1, *x.shape[3:]) for x in (proposer.cache.k, proposer.cache.v))
+    torch.testing.assert_close(k_pool[slots], keep.k, atol=2e-3, rtol=1e-3)
+    torch.testing.assert_close(v_pool[slots], keep.v, atol=2e-3, rtol=1e-3)
+
+
+# ---- the command and bad input -------------------------------------------------------------------------------------
+def test_train_eagle_tiny_writes_a_folder_that_loads(model_dir, plain, tmp_path, capsys):
+    out = tmp_path / "head"
+    assert cli_main(["train-eagle", str(model_dir), str(out), "--schedule", "tiny"]) in (0, None)
+    assert "wrote" in capsys.readouterr().out
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["EagleHead"] and config["eagle"]["learning_curve"]
+    head = load_head(out, plain.model)
+    assert head.d2t.shape == (config["draft_vocab_size"],)
+    p = SamplingParams(max_tokens=8, ignore_eos=True)
+    assert eagle(model_dir, str(out)).generate("hi", p)[0].token_ids == plain.generate("hi", p)[0].token_ids
+
+def test_bad_heads_one_line(model_dir, plain, random_head, tmp_path):
+    with pytest.raises(FileNotFoundError, match="minfer train-eagle") as e: eagle(model_dir, str(tmp_path / "none"))
+    assert "\n" not in str(e.value)
+    (tmp_path / "target").mkdir()
+    for f in Path(model_dir).iterdir(): (tmp_path / "target" / f.name).symlink_to(f)
+    with pytest.raises(FileNotFoundError, match="target-eagle") as e:  # no default head beside this target
+        LLM(str(tmp_path / "target"), speculative="eagle")
+    assert "minfer train-eagle" in str(e.value) and "\n" not in str(e.value)
+    other = tmp_path / "other"
+    other.mkdir()
+    cfg = json.loads((Path(random_head) / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "hidden_size": 960}))
+    (other / "model.safetensors").symlink_to(Path(random_head) / "model.safetensors")
+    with pytest.raises(ValueError, match="hidden size 960") as e: eagle(model_dir, str(other))
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="no EAGLE head") as e: eagle(model_dir, str(model_dir))  # a model, no head
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="reads the target's hidden states"):
+        EngineConfig(speculative={"method": "eagle", "model": random_head}, tensor_parallel_size=3).resolve()
+    p = SamplingParams(max_tokens=4)
+    assert plain.generate("hi", p)[0].token_ids  # nothing broke
