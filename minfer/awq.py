@@ -320,7 +320,7 @@ static inline void block_rows_q4x8(const uint8_t* codes, const uint16_t* scale_z
   const int64_t groups = n_in / group, per_group = group / Q8_BLOCK, x_blocks = n_in / Q8_BLOCK;
   const uint8_t* q = codes + block * Q4X8_BLOCK * n_in / 2;
   const uint16_t* sz = scale_zero + block * groups * 2 * Q4X8_BLOCK;
-#if defined(__AVX512VNNI__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)  // every VNNI CPU has BW's byte and word operations
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(15);

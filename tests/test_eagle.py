@@ -5,6 +5,7 @@ one trained here for a few seconds on the target's answers to these prompts, so 
 target's own distribution for sampled outputs (the style of test_speculative's histogram tests, its `tv`); a fresh run
 of the head over the same tokens and the target's features for the head's KV.
 """
+import gc
 import json
 from pathlib import Path
 import pytest, torch
@@ -21,8 +22,19 @@ from test_engine import TEXTS
 PROMPTS = [REPEATS[2], TEXTS[0], "hi", REPEATS[1], TEXTS[2] * 2, "Tell me a story about a dragon.", REPEATS[0], "x"]
 
 
+SMALL = dict(kv_cache_bytes=2**27)  # 128 MiB pools, not the default 1 GiB: a test's engines stay alive together
+
+
+@pytest.fixture(autouse=True)
+def collect_engines():
+    """Free each test's engines when it ends: a proposer and its runner refer to each other (the runner's `run` is
+    wrapped), so only the cyclic collector frees them, and a model's tensors are few objects, which do not wake it."""
+    yield
+    gc.collect()
+
+
 @pytest.fixture(scope="module")
-def plain(model_dir): return LLM(model_dir)
+def plain(model_dir): return LLM(model_dir, **SMALL)
 
 @pytest.fixture(scope="module")
 def random_head(plain, tmp_path_factory):
@@ -50,7 +62,7 @@ def tiny_head(plain, tmp_path_factory):
 
 
 def eagle(model_dir, head, k=3, **kw):
-    return LLM(model_dir, speculative={"method": "eagle", "model": head, "num_speculative_tokens": k, **kw})
+    return LLM(model_dir, speculative={"method": "eagle", "model": head, "num_speculative_tokens": k, **kw}, **SMALL)
 
 
 # ---- greedy: identical to plain decoding, whatever the head ------------------------------------------------------
@@ -79,7 +91,7 @@ def test_greedy_identical_on_the_layers_path_with_prefix_cache(model_dir, plain,
     prompts = [TEXTS[0] + " one", TEXTS[0] + " two", REPEATS[2]]
     want = [o.token_ids for o in plain.generate(prompts, p, raw=True)]
     spec = LLM(model_dir, kernels="cpu", prefix_cache=True,
-               speculative={"method": "eagle", "model": tiny_head, "num_speculative_tokens": 2})
+               speculative={"method": "eagle", "model": tiny_head, "num_speculative_tokens": 2}, **SMALL)
     assert [o.token_ids for o in spec.generate(prompts, p, raw=True)] == want
     assert [o.token_ids for o in spec.generate(prompts, p, raw=True)] == want  # now from the prefix cache
 
