@@ -60,7 +60,8 @@ test: sync-check test-notebooks test-py
 # llama.cpp is a peer in the decode benchmark only (never in `make test`): pip builds llama-cpp-python from source,
 # about 10 minutes on a 2-core machine, once
 # the engines minfer is measured against, each in a venv of its own (.venv-peers/): llama.cpp built with this machine's
-# native flags, vLLM's CPU build. A peer that cannot be installed prints one line (PEER MISSING); the benches go on.
+# native flags, vLLM's CPU build, transformers over the project's torch. A peer that cannot be installed prints one
+# line (PEER MISSING); the benches go on.
 peers: install
 	-$(BIN)/python benchmarks/peers.py install
 

@@ -1,4 +1,4 @@
-"""Batch-1 decode: minfer vs transformers' `generate`, side by side in one process.
+"""Batch-1 decode: minfer vs transformers' `generate` (in its own venv, over the project's torch: benchmarks/peers.py).
 
 Same model folder, dtype, prompt and token count; runs alternate (minfer, transformers, minfer, ...) and we report
 medians. Next to them: the bandwidth floor (copy bandwidth / bytes per token) and the practical ceilings (the bandwidth
@@ -6,6 +6,7 @@ matrix-vector products reach on the model's own weight shapes, run back to back,
 uses (chapter 05c's own matvec with `kernels="step"`, oneDNN on packed weights with fp32 `kernels="cpu"`), one for
 `F.linear`, which transformers uses. Each ceiling is the best of three measurements.
 Where the greedy tokens part, the table says where, and how far apart transformers' top two logits were there.
+A peer that is not installed (`make peers`) gets one PEER MISSING line; minfer's rows are still printed.
 
 Then 4-bit weights (chapter 08): minfer on the default model's AWQ folder (int4 g64, its default switches: the one-call
 step reading the 4-bit codes, chapter 05c) beside llama.cpp (llama-cpp-python compiled with this machine's native
@@ -46,34 +47,40 @@ def time_minfer(llm, ids, n):
     assert len(out.token_ids) == n
     return total, out.metrics["tpot"], out.token_ids
 
+def transformers_peer(folder, dtype, max_len=None):
+    "-> (a warm transformers `Peer` on `folder`, its version) or (None, the one-line PEER MISSING note)."
+    try:
+        peer = Peer("transformers", model=str(folder), dtype=dtype, threads=torch.get_num_threads())
+        return peer, peer.info["version"]
+    except PeerMissing as e:
+        print(f"PEER MISSING: {e}", flush=True)
+        return None, f"PEER MISSING: {e}"
+
 def time_transformers(hf, ids, n):
-    x = torch.tensor([ids], device=hf.device)
-    t = time.perf_counter()
-    with torch.inference_mode():
-        out = hf.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    if x.is_cuda: torch.cuda.synchronize()
-    total = time.perf_counter() - t
-    return total, out[0, len(ids):].tolist()
+    "hf: the transformers `Peer`. -> (seconds, greedy tokens), timed inside the peer's process."
+    r = hf.call("decode", ids=ids, n=n)
+    return r["seconds"], r["tokens"]
 
 def first_difference(hf, ids, a, b):
     "'' if a == b, else where they part and transformers' top-2 logit gap there (a near-tie is a gap of a rounding or two)."
     i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
     if i is None: return ""
-    with torch.inference_mode(): logits = hf(torch.tensor([ids + b[:i]], device=hf.device)).logits[0, -1].float()
-    top2 = torch.topk(logits, 2).values
-    return f" (from token {i}; transformers' top-2 logit gap there {(top2[0] - top2[1]).item():.3f})"
+    return f" (from token {i}; transformers' top-2 logit gap there {hf.call('top2_gap', ids=ids + b[:i])['gap']:.3f})"
 
 def bench(dtype, n, repeats, kv, kernels="auto"):
-    from transformers import LlamaForCausalLM
     llm = LLM(dtype=dtype, kv=kv, kernels=kernels)
-    hf = LlamaForCausalLM.from_pretrained(llm.model_dir, dtype=getattr(torch, dtype)).to(llm.device).eval()
+    hf, hf_version = transformers_peer(llm.model_dir, dtype)
     ids = llm.tokenizer.encode(PROMPT)
-    time_minfer(llm, ids, 8); time_transformers(hf, ids, 8)  # warm-up both
+    time_minfer(llm, ids, 8)  # warm-up both
+    if hf: time_transformers(hf, ids, 8)
     ours, theirs, tpots = [], [], []
     for _ in range(repeats):
         total, tpot, a = time_minfer(llm, ids, n); ours.append(total); tpots.append(tpot)
-        total, b = time_transformers(hf, ids, n); theirs.append(total)
-    same = f"{a == b}{first_difference(hf, ids, a, b)}"
+        if hf:
+            total, b = time_transformers(hf, ids, n)
+            theirs.append(total)
+    same = f"{a == b}{first_difference(hf, ids, a, b)}" if hf else "-"
+    if hf: hf.close()
     bw = measure_bandwidth(device=llm.device)
     # ceilings: the best of three measurements (a busy neighbour on this VM only ever slows one down)
     ceiling = lambda **kw: max(measure_matvec_bandwidth(llm.model_config, dtype, device=llm.device, **kw) for _ in range(3))
@@ -82,7 +89,8 @@ def bench(dtype, n, repeats, kv, kernels="auto"):
     else: matvec_ours = ceiling(packed=True) if llm.weights == "packed" else matvec
     bpt = decode_bytes_per_token(llm.model_config, dtype, context=len(ids) + n // 2)
     parts = decode_breakdown(llm, llm.tokenizer.decode(ids, skip_special_tokens=False), n)
-    return dict(parts=parts, dtype=dtype, kv=kv, weights=llm.weights, kernels=llm.kernels, minfer=n / statistics.median(ours), transformers=n / statistics.median(theirs),
+    return dict(parts=parts, dtype=dtype, kv=kv, weights=llm.weights, kernels=llm.kernels, minfer=n / statistics.median(ours),
+                transformers=n / statistics.median(theirs) if theirs else None, transformers_version=hf_version,
                 minfer_decode=1 / statistics.median(tpots), floor=bw / bpt, practical=matvec_ours / bpt, practical_linear=matvec / bpt,
                 bw=bw, matvec=matvec_ours, matvec_linear=matvec, bpt=bpt, same_tokens=same)
 
@@ -101,32 +109,31 @@ def gguf_weight_bytes(path):
 
 def bench_int4(n, repeats, awq_folder):
     "4-bit weights beside bf16: {name: dict(tok_s, bytes)}; the runs alternate, medians."
-    from transformers import LlamaForCausalLM
     awq_folder = Path(awq_folder)
     if not is_awq_folder(awq_folder):
         print(f"{awq_folder} is missing: building it (minfer quantize, AWQ search; minutes)", flush=True)
         quantize_folder(default_model_dir(), awq_folder, method="awq", group_size=64)
     awq, bf16 = LLM(awq_folder), LLM(dtype="bfloat16")
-    hf = LlamaForCausalLM.from_pretrained(bf16.model_dir, dtype=torch.bfloat16).eval()
+    hf, hf_version = transformers_peer(bf16.model_dir, "bfloat16")
     ids = bf16.tokenizer.encode(PROMPT)
     runs = {f"minfer awq-int4 g64 ({awq.kernels})": lambda: time_minfer(awq, ids, n)[0],
-            f"minfer bf16 ({bf16.weights}, {bf16.kernels})": lambda: time_minfer(bf16, ids, n)[0],
-            "transformers bf16": lambda: time_transformers(hf, ids, n)[0]}
-    sizes = {0: int4_weight_bytes(awq), 1: weight_bytes_per_step(bf16.model_config, "bfloat16"), 2: weight_bytes_per_step(bf16.model_config, "bfloat16")}
-    note, lcp = "", None
+            f"minfer bf16 ({bf16.weights}, {bf16.kernels})": lambda: time_minfer(bf16, ids, n)[0]}
+    if hf: runs[f"transformers bf16 ({hf_version})"] = lambda: time_transformers(hf, ids, n)[0]
+    sizes = [int4_weight_bytes(awq), *[weight_bytes_per_step(bf16.model_config, "bfloat16")] * (len(runs) - 1)]
+    notes, lcp = [] if hf else [hf_version + "; row left out"], None
     try:  # llama.cpp in its own venv (benchmarks/peers.py), built with this machine's native flags
         gguf = find_default_gguf()
         lcp = Peer("llama.cpp", model=str(gguf), threads=torch.get_num_threads(), max_len=len(ids) + n + 16)
         name = f"llama.cpp Q4_1 ({lcp.info['version']})"
         runs[name] = lambda: lcp.call("decode", ids=ids, n=n)["seconds"]
-        sizes[3] = gguf_weight_bytes(gguf)
-        note = f"llama.cpp build: {lcp.info['build']}"
+        sizes.append(gguf_weight_bytes(gguf))
+        notes.append(f"llama.cpp build: {lcp.info['build']}")
     except PeerMissing as e:
-        note = f"PEER MISSING: {e}; row left out"
-        print(note, flush=True)
+        notes.append(f"PEER MISSING: {e}; row left out")
+        print(notes[-1], flush=True)
     time_minfer(awq, ids, 8)  # warm-up: a short run of each
     time_minfer(bf16, ids, 8)
-    time_transformers(hf, ids, 8)
+    if hf: time_transformers(hf, ids, 8)
     if lcp: lcp.call("decode", ids=ids, n=8)
     times = {name: [] for name in runs}
     for _ in range(repeats):  # A B C D A B C D ...
@@ -137,7 +144,9 @@ def bench_int4(n, repeats, awq_folder):
     if lcp:
         tokens["llama.cpp"] = lcp.call("decode", ids=ids, n=32)["tokens"]
         lcp.close()
-    return {name: dict(tok_s=n / statistics.median(times[name]), bytes=sizes[i]) for i, name in enumerate(runs)}, note, tokens
+    if hf: hf.close()
+    return {name: dict(tok_s=n / statistics.median(times[name]), bytes=sizes[i]) for i, name in enumerate(runs)}, \
+        "\n\n".join(notes), tokens
 
 def main():
     ap = argparse.ArgumentParser()
@@ -156,12 +165,15 @@ def main():
     lines = [f"# Batch-1 decode, {a.tokens} tokens, medians of {a.repeats} alternating runs",
              "", f"- date: {datetime.datetime.now():%Y-%m-%d %H:%M}", f"- machine: {machine()}",
              f"- command: `python benchmarks/bench_decode.py {' '.join(sys.argv[1:])}`"]
+    lines += [f"- transformers ({r['dtype']}): {r['transformers_version']}" + ("" if r["transformers"] is None else
+              " in its own venv (.venv-peers/transformers, the project's torch), generate() greedy") for r in rows]
     lines += [] if not rows else ["",
              "| dtype | minfer kv, weights, kernels | minfer tok/s (end to end) | minfer decode tok/s | transformers tok/s | ratio | practical ceiling, minfer's matvec: tok/s (GB/s) | % of it | practical ceiling, F.linear: tok/s (GB/s) | % of it | bandwidth floor tok/s (copy GB/s) | MB/token | same greedy tokens |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['dtype']} | {r['kv']}, {r['weights']}, {r['kernels']} | {r['minfer']:.1f} | {r['minfer_decode']:.1f} | {r['transformers']:.1f} | {r['minfer']/r['transformers']:.2f}x | "
-                     f"{r['practical']:.1f} ({r['matvec']/1e9:.1f}) | {100*r['minfer_decode']/r['practical']:.0f}% | "
+        lines.append(f"| {r['dtype']} | {r['kv']}, {r['weights']}, {r['kernels']} | {r['minfer']:.1f} | {r['minfer_decode']:.1f} | "
+                     + ("- | - | " if r["transformers"] is None else f"{r['transformers']:.1f} | {r['minfer']/r['transformers']:.2f}x | ")
+                     + f"{r['practical']:.1f} ({r['matvec']/1e9:.1f}) | {100*r['minfer_decode']/r['practical']:.0f}% | "
                      f"{r['practical_linear']:.1f} ({r['matvec_linear']/1e9:.1f}) | {100*r['minfer_decode']/r['practical_linear']:.0f}% | {r['floor']:.1f} ({r['bw']/1e9:.1f}) | "
                      f"{r['bpt']/1e6:.0f} | {r['same_tokens']} |")
     lines += [] if not rows else ["", "Where a minfer decode step goes (ms per token, one extra run timed with forward hooks by `minfer.llm.decode_breakdown`, "

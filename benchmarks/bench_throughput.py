@@ -1,6 +1,6 @@
 """Offline throughput on two request mixes: minfer's `LLM(...).generate(list)` with its default switches (or others)
-vs transformers' `generate` in padded static batches. Same model, dtype, prompts and output lengths, in one process,
-alternating, medians.
+vs transformers' `generate` in padded static batches (in its own venv over the project's torch: benchmarks/peers.py).
+Same model, dtype, prompts and output lengths, alternating, medians.
 
 Mixes (64 requests each, real text from data/text/course.txt, all arriving at once, outputs uniform in [16, 128]):
 - decode-heavy: `minfer.engine.make_workload(seed=0)`: prompt lengths log-normal, median 64 tokens, clipped to [8, 512];
@@ -48,19 +48,10 @@ def run_minfer(llm, work):
     assert all(len(o.token_ids) == n for o, (*_, n) in zip(outs, work))
     return sum(n for *_, n in work) / dt
 
-def run_transformers(hf, work, batch):
-    t = time.perf_counter()
-    for i in range(0, len(work), batch):
-        chunk = work[i:i + batch]
-        width = max(len(ids) for _, ids, _ in chunk)
-        ids = torch.tensor([[0] * (width - len(p)) + p for _, p, _ in chunk])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for _, p, _ in chunk])
-        longest = max(n for *_, n in chunk)
-        with torch.inference_mode():
-            out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
-                              do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert out.shape[1] == width + longest
-    return sum(n for *_, n in work) / (time.perf_counter() - t)
+def run_transformers(peer, work):
+    "Useful output tokens/s of transformers' static batches over the mix (timed inside the peer's process)."
+    r = peer.call("generate", prompts=[ids for _, ids, _ in work], max_tokens=[n for *_, n in work])
+    return r["output_tokens"] / r["seconds"]
 
 def run_vllm(peer, work):
     "Useful output tokens/s of one offline `generate` in vLLM over the whole mix (the same prompt ids and lengths)."
@@ -85,7 +76,6 @@ def main():
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--record", action="store_true")
     a = ap.parse_args()
-    from transformers import LlamaForCausalLM
     d = default_model_dir()
     tok = Tokenizer(d)
     mixes = {"decode": make_workload(tok, a.requests, seed=0), "prefill": prefill_heavy(tok, a.requests)}
@@ -94,10 +84,17 @@ def main():
         # a switch set may name another folder (model=<path>: chapter 08's AWQ folder of the default model, say)
         llms = {"default": LLM(d, dtype=dtype), **{s: LLM(**{"model": d, "dtype": dtype, **switches(s)}) for s in a.also}}
         for name, llm in llms.items(): configs[dtype, name] = repr(llm).replace(str(d), "<default model>")
-        hf = None if a.no_transformers else LlamaForCausalLM.from_pretrained(d, dtype=getattr(torch, dtype)).eval()
-        vllm = None
+        hf = vllm = None
+        # each peer a warm process of its own; it sleeps while the others run
+        if not a.no_transformers:
+            try:
+                hf = Peer("transformers", model=str(d), dtype=dtype, threads=torch.get_num_threads(), batch=a.hf_batch)
+                peers["transformers"] = hf.info["version"]
+            except PeerMissing as e:
+                peers["transformers"] = f"PEER MISSING: {e}"
+                print(peers["transformers"], flush=True)
         if not a.no_vllm:
-            try:  # a warm process of its own; it sleeps while the others run
+            try:
                 vllm = Peer("vllm", model=str(d), dtype=dtype, threads=torch.get_num_threads(), max_len=1024)
                 peers["vllm"] = vllm.info["version"]
             except PeerMissing as e:
@@ -106,18 +103,19 @@ def main():
         for mix in a.mixes:
             work = mixes[mix]
             for llm in llms.values(): run_minfer(llm, work[:4])  # warm-up
-            if hf is not None: run_transformers(hf, work[:2], 2)
+            if hf is not None: run_transformers(hf, work[:2])
             if vllm is not None: run_vllm(vllm, work[:4])
             names = [*llms, *(["transformers"] if hf is not None else []), *(["vllm"] if vllm is not None else [])]
             times = {name: [] for name in names}
             for _ in range(a.repeats):  # A B C ... A B C: the machine's drift hits every engine alike
                 for name, llm in llms.items(): times[name].append(run_minfer(llm, work))
-                if hf is not None: times["transformers"].append(run_transformers(hf, work, a.hf_batch))
+                if hf is not None: times["transformers"].append(run_transformers(hf, work))
                 if vllm is not None: times["vllm"].append(run_vllm(vllm, work))
                 print(dtype, mix, {k: round(v[-1], 1) for k, v in times.items()}, flush=True)
             med = {k: statistics.median(v) for k, v in times.items()}
             rows.append((dtype, mix, med))
-        if vllm is not None: vllm.close()
+        for peer in (hf, vllm):
+            if peer is not None: peer.close()
         del llms, hf, vllm
     bw, cfg = measure_bandwidth(), ModelConfig.from_folder(d)
     head = ["default"] + a.also
@@ -130,12 +128,14 @@ def main():
         lines.append(f"- {mix}-heavy mix: prompts {min(plens)}-{max(plens)} tokens (median {statistics.median(plens):.0f}, "
                      f"total {sum(plens)}), outputs {min(olens)}-{max(olens)} (total {sum(olens)}), all at t=0")
     lines += [f"- minfer {k[1]} ({k[0]}): `{v}`" for k, v in configs.items()]
-    if not a.no_transformers:
-        import transformers
-        lines += [f"- transformers {transformers.__version__} (the project's venv): generate() in left-padded static "
-                  f"batches of {a.hf_batch}, each to its longest output"]
-    lines += [f"- vLLM: {v}" + ("" if v.startswith("PEER MISSING") else " (its own venv, offline generate over the same "
-                                "token ids, greedy, ignore_eos)") for v in peers.values()][:1]
+    if "transformers" in peers:
+        v = peers["transformers"]
+        lines.append(f"- transformers: {v}" + ("" if v.startswith("PEER MISSING") else " (its own venv over the project's "
+                     f"torch): generate() in left-padded static batches of {a.hf_batch}, each to its longest output"))
+    if "vllm" in peers:
+        v = peers["vllm"]
+        lines.append(f"- vLLM: {v}" + ("" if v.startswith("PEER MISSING") else " (its own venv, offline generate over the "
+                     "same token ids, greedy, ignore_eos)"))
     lines += ["", "| dtype | mix | " + " | ".join(f"minfer {h} tok/s" for h in head)
               + " | transformers tok/s | default / transformers | vLLM tok/s | default / vLLM |",
               "|---|---|" + "---|" * (len(head) + 4)]

@@ -1,4 +1,4 @@
-"""One peer engine, kept warm in its own venv: `python peer_worker.py llama.cpp|vllm`.
+"""One peer engine, kept warm in its own venv: `python peer_worker.py llama.cpp|vllm|transformers`.
 
 Runs under a peer's interpreter (`.venv-peers/<name>/bin/python`, see benchmarks/peers.py), never imports minfer, and
 answers one JSON request per stdin line with one JSON line on stdout, so a benchmark in the project's venv can time
@@ -7,6 +7,7 @@ minfer and the peer alternately on the same token ids:
     {"op": "load", "model": FOLDER_OR_GGUF, "dtype": "float32", "threads": 2, "max_len": 4096}
     {"op": "decode", "ids": [...], "n": 256}                       -> {"seconds", "tokens"}  (batch 1, greedy)
     {"op": "generate", "prompts": [[ids], ...], "max_tokens": [...]} -> {"seconds", "output_tokens"} (offline batch)
+    {"op": "top2_gap", "ids": [...]}                                -> {"gap"}  (transformers: last row's top-2 logits)
     {"op": "version"}                                               -> {"version", "build"}
 
 Timings are taken here, around the peer's own call: the pipe's cost is not in them.
@@ -51,7 +52,43 @@ class VLLM:
         import vllm, torch
         return dict(version=f"vllm {vllm.__version__}", build=f"torch {torch.__version__}")
 
-ENGINES = {"llama.cpp": LlamaCpp, "vllm": VLLM}
+class Transformers:
+    "transformers' `generate` (eager PyTorch, the model's own modules), in the same torch as the project's venv."
+    def load(self, model, dtype, threads, batch=16, **_):
+        import torch
+        from transformers import AutoModelForCausalLM
+        torch.set_num_threads(threads)
+        self.torch, self.batch = torch, batch
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
+    def _generate(self, ids, mask, n):
+        with self.torch.inference_mode():
+            return self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                       do_sample=False, eos_token_id=None, pad_token_id=0)
+    def decode(self, ids, n):
+        x = self.torch.tensor([ids])
+        t = time.perf_counter()
+        out = self._generate(x, self.torch.ones_like(x), n)
+        return dict(seconds=time.perf_counter() - t, tokens=out[0, len(ids):].tolist())
+    def generate(self, prompts, max_tokens):
+        "Static batches of `batch` requests, left-padded, each batch run to its longest output (useful tokens count)."
+        torch, t = self.torch, time.perf_counter()
+        for i in range(0, len(prompts), self.batch):
+            chunk, longest = prompts[i:i + self.batch], max(max_tokens[i:i + self.batch])
+            width = max(len(p) for p in chunk)
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+            assert self._generate(ids, mask, longest).shape[1] == width + longest
+        return dict(seconds=time.perf_counter() - t, output_tokens=sum(max_tokens))
+    def top2_gap(self, ids):
+        "How far apart the model's two best logits are after `ids` (a near-tie is a gap of a rounding or two)."
+        with self.torch.inference_mode(): logits = self.model(self.torch.tensor([ids])).logits[0, -1].float()
+        top2 = self.torch.topk(logits, 2).values
+        return dict(gap=(top2[0] - top2[1]).item())
+    def version(self):
+        import transformers, torch
+        return dict(version=f"transformers {transformers.__version__}", build=f"torch {torch.__version__}")
+
+ENGINES = {"llama.cpp": LlamaCpp, "vllm": VLLM, "transformers": Transformers}
 
 def main():
     engine = ENGINES[sys.argv[1]]()

