@@ -152,49 +152,6 @@ void paged_decode(const T* q, int64_t q_stride, const T* k, const T* v, int64_t 
   }
 }
 
-// Chapter 09: the same attention over an int8 pool: codes [slots, n_kv, d] and one float scale per slot and KV head
-// (k_scale, v_scale [slots, n_kv]). The pool's `store` has already quantized and written the new tokens. A key's scale
-// multiplies its dot product once; a value's scale folds into its softmax weight: the codes are read as they are.
-template <typename T>
-void paged_decode_q8(const T* q, int64_t q_stride, const int8_t* k_pool, const int8_t* v_pool, const float* k_scale,
-                     const float* v_scale, const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens,
-                     int64_t block_size, T* out, int64_t batch, int64_t n_q, int64_t n_kv, int64_t d, float scale) {
-  using N = Num<T>;
-  const int64_t kv_row = n_kv * d, group = n_q / n_kv;
-  std::vector<int64_t> slot;
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t len = seq_lens[b];
-    const int32_t* table = block_tables + b * max_blocks;
-    slot.resize(len);
-    for (int64_t j = 0; j < len; ++j) slot[j] = (int64_t)table[j / block_size] * block_size + j % block_size;
-#pragma omp parallel for schedule(static)
-    for (int64_t h = 0; h < n_q; ++h) {
-      std::vector<float> score(len), qf(d), acc(d, 0.0f);
-      const int64_t kv_h = h / group;
-      for (int64_t i = 0; i < d; ++i) qf[i] = N::load(q[b * q_stride + h * d + i]);
-      float max_score = -INFINITY, sum = 0;
-      for (int64_t j = 0; j < len; ++j) {
-        const int8_t* kj = k_pool + slot[j] * kv_row + kv_h * d;
-        float dot = 0;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t i = 0; i < d; ++i) dot += qf[i] * (float)kj[i];
-        score[j] = dot * k_scale[slot[j] * n_kv + kv_h] * scale;
-        max_score = std::fmax(max_score, score[j]);
-      }
-      float* p = score.data();
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < len; ++j) { p[j] = exp_fast(p[j] - max_score); sum += p[j]; }
-      for (int64_t j = 0; j < len; ++j) {
-        const int8_t* vj = v_pool + slot[j] * kv_row + kv_h * d;
-        const float w = p[j] * v_scale[slot[j] * n_kv + kv_h];
-#pragma omp simd
-        for (int64_t i = 0; i < d; ++i) acc[i] += w * (float)vj[i];
-      }
-      for (int64_t i = 0; i < d; ++i) out[(b * n_q + h) * d + i] = N::store(acc[i] / sum);
-    }
-  }
-}
-
 // The C interface ctypes calls: one entry point per kernel and dtype (suffix _f32 or _bf16).
 #define BOTH_DTYPES(DEFINE) DEFINE(float, f32) DEFINE(bf16, bf16)
 #define RMS_NORM(T, S) extern "C" void rms_norm_##S(T* x, const T* res, const T* w, T* out, int64_t rows, int64_t n, float eps) \
@@ -211,13 +168,6 @@ BOTH_DTYPES(RMS_NORM)
 BOTH_DTYPES(ROPE)
 BOTH_DTYPES(SILU_MUL)
 BOTH_DTYPES(PAGED_DECODE)
-#define PAGED_DECODE_Q8(T, S) extern "C" void paged_decode_q8_##S(const T* q, int64_t q_stride, const int8_t* k_pool, \
-    const int8_t* v_pool, const float* k_scale, const float* v_scale, const int32_t* block_tables, int64_t max_blocks, \
-    const int32_t* seq_lens, int64_t block_size, T* out, int64_t batch, int64_t n_q, int64_t n_kv, int64_t d, \
-    float scale) \
-  { paged_decode_q8<T>(q, q_stride, k_pool, v_pool, k_scale, v_scale, block_tables, max_blocks, seq_lens, block_size, \
-                       out, batch, n_q, n_kv, d, scale); }
-BOTH_DTYPES(PAGED_DECODE_Q8)
 """
 
 # %% ../nbs/05b_cpu_kernels.ipynb #69b5fd10
@@ -264,8 +214,7 @@ def build_cpu_kernels(source=None, out_dir=None, flags=CXX_FLAGS):
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {"rms_norm": [_P, _P, _P, _P, _I, _I, _F], "rope": [_P, _P, _P, _I, _I, _I, _I],
                "silu_mul": [_P, _P, _I, _I],
-               "paged_decode": [_P, _I, _P, _P, _I, _P, _P, _P, _P, _I, _P, _I, _P, _I, _I, _I, _I, _F],
-               "paged_decode_q8": [_P, _I, _P, _P, _P, _P, _P, _I, _P, _I, _P, _I, _I, _I, _I, _F]}  # chapter 09's int8
+               "paged_decode": [_P, _I, _P, _P, _I, _P, _P, _P, _P, _I, _P, _I, _P, _I, _I, _I, _I, _F]}
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 def load_kernels(lib_path, signatures):
@@ -376,12 +325,10 @@ class CpuAttention(PagedAttention):
     """`PagedAttention` whose decode steps are one `paged_decode` call per layer: write the new K/V, attend over each
     sequence's blocks in place, in fp32. Prefill chunks and mixed steps use chapter 03's path."""
     devices, dtypes = ("cpu",), ("float32", "bfloat16")  # and a C++ compiler (`can_fuse`)
-    kv_dtypes = ("auto", "int8")  # int8: chapter 09's pool, read by `paged_decode_q8`
+    kv_dtypes = ("auto",)  # a pool of the model's dtype (chapter 09 adds its int8 pool)
     def __call__(self, layer, q, k, v, **window_softcap):
         if window_softcap: return super().__call__(layer, q, k, v, **window_softcap)  # chapter 03's path (12a)
         m, (k_pool, v_pool) = self.meta, (self.cache.k[layer], self.cache.v[layer])
-        if k_pool.dtype == torch.int8 and m.max_seqlen_q == 1 and q.shape[0] == len(m.seq_lens):
-            return self.decode_int8(layer, q.contiguous(), k, v)
         rows_ok = q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and k.stride(0) == v.stride(0) and q.stride(1) == k.stride(1) == v.stride(1) == q.shape[-1]
         decode = m.max_seqlen_q == 1 and q.shape[0] == len(m.seq_lens)
         # fp32 activations over a bf16 pool (00a's `wide_dtype`): the float kernel takes one dtype, the pool's
@@ -393,18 +340,6 @@ class CpuAttention(PagedAttention):
             q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), k_pool.data_ptr(), v_pool.data_ptr(),
             m.slot_mapping.data_ptr(), m.block_tables.data_ptr(), m.block_tables.shape[1], m.seq_lens.data_ptr(),
             k_pool.shape[1], out.data_ptr(), q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[2] ** -0.5)
-        return out
-
-    def decode_int8(self, layer, q, k, v):
-        "Chapter 09's int8 pool: the pool quantizes and stores the new K/V, then one `paged_decode_q8` call attends."
-        m, c = self.meta, self.cache
-        c.store(layer, m.slot_mapping, k, v)
-        k_pool, v_pool, k_scale, v_scale = c.k[layer], c.v[layer], c.k_scale[layer], c.v_scale[layer]
-        out = torch.empty_like(q)
-        _kernel("paged_decode_q8", q, out)(
-            q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(),
-            m.block_tables.data_ptr(), m.block_tables.shape[1], m.seq_lens.data_ptr(), k_pool.shape[1], out.data_ptr(),
-            q.shape[0], q.shape[1], k_pool.shape[2], q.shape[2], q.shape[2] ** -0.5)
         return out
 
 ATTENTION_BACKENDS["cpu"] = CpuAttention  # attention="cpu" (chapter 03's registry)

@@ -160,7 +160,7 @@ def test_llm_cpu_kernels_equal_naive(model_dir, model, tokenizer):
     from minfer.naive import naive_generate
     from test_engine import TEXTS, near_tie_at
     llm = LLM(model_dir, kernels="cpu")
-    assert llm.kernels == "cpu" and type(llm.engine.attn) is CpuAttention
+    assert llm.kernels == "cpu" and isinstance(llm.engine.attn, CpuAttention)
     outs = llm.generate(TEXTS[:4], SamplingParams(max_tokens=8, ignore_eos=True), raw=True)
     for t, o in zip(TEXTS, outs):
         want = naive_generate(model, tokenizer.encode(t), 8)

@@ -253,9 +253,10 @@ def test_plain_triton_decode_refuses_codes():
 @pytest.mark.parametrize("fused_rows", [False, True], ids=["separate", "qkv-rows"])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_cpu_kernel_reads_int8(dtype, tol, fused_rows):
-    """Chapter 05b's C++ decode over an int8 pool (`paged_decode_q8`) == chapter 03's reference on the same pool; also
+    """Chapter 09's C++ decode over an int8 pool (`paged_decode_q8`) == chapter 03's reference on the same pool; also
     with q, k, v as strided views of one qkv row each, as the fused attention module passes them to several rows."""
-    from minfer.cpu_kernels import CpuAttention, cpu_kernels_available
+    from minfer.cpu_kernels import cpu_kernels_available
+    from minfer.kvquant import QuantizedCpuAttention
     from minfer.paged import PagedAttention, build_batch_meta
     if not cpu_kernels_available(): pytest.skip("no C++ compiler")
     g = torch.Generator().manual_seed(0)
@@ -268,7 +269,7 @@ def test_cpu_kernel_reads_int8(dtype, tol, fused_rows):
     q, k, v = (torch.randn(3, h, 64, generator=g).to(dtype) for h in (9, 3, 3))
     if fused_rows: q, k, v = torch.cat([q, k, v], 1).split([9, 3, 3], 1)  # q: not contiguous
     outs = []
-    for cls in (CpuAttention, PagedAttention):  # the kernel's call stores the new K/V too; the reference writes them again
+    for cls in (QuantizedCpuAttention, PagedAttention):  # the kernel's call stores the new K/V too; the reference writes them again
         a = cls(cache); a.meta = build_batch_meta([(t, n - 1, 1) for t, n in zip(tables, lens)], 16)
         outs.append(a(1, q, k, v).float())
     assert torch.isfinite(outs[0]).all() and torch.allclose(*outs, atol=tol), (outs[0] - outs[1]).abs().max()
