@@ -97,9 +97,9 @@ def bench(dtype, n, repeats, kv, kernels="auto"):
 def int4_weight_bytes(llm):
     "Weight bytes one decode step of this minfer LLM reads: the step's 4-bit buffers (or the format's ledger), norms, LM head."
     model = llm.model
-    if getattr(model, "q4_buffers", None) is not None:
+    if getattr(model, "weight_buffers", None) is not None:
         cfg, p = llm.model_config, param_counts(llm.model_config)
-        return sum(b.numel() for b in model.q4_buffers) + (p["norms"] + cfg.vocab_size * cfg.hidden_size) * 2
+        return sum(b.numel() for b in model.weight_buffers) + (p["norms"] + cfg.vocab_size * cfg.hidden_size) * 2
     return weight_bytes_per_step(llm.model_config, llm.dtype, llm.engine.runner.ledger.projection_bits)
 
 def gguf_weight_bytes(path):

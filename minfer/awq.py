@@ -30,8 +30,8 @@ from .model import (DTYPES, Llama, ModelConfig, NoCache, PackedLinear, RotaryEmb
                           can_pack, data_dir, check_model_folder, load_model, register_weight_format, make_rope,
                           check_behaviours)
 from .roofline import DTYPE_BYTES, param_counts
-from .cpu_kernels import CPU_KERNELS_SOURCE, build_cpu_kernels, load_kernels, _kernel
-from .cpu_step import STEP_CXX_FLAGS, openmp_runtimes, pack_q4
+from .cpu_kernels import build_cpu_kernels, load_kernels, _kernel
+from .cpu_step import CPU_STEP_SOURCE, STEP_CXX_FLAGS, openmp_runtimes, _STEP_ARGS
 from .cli import COMMANDS, Command
 
 # %% ../nbs/08_awq.ipynb #5321c86d
@@ -263,8 +263,9 @@ def dequantize_awq(qweight, qzeros, scales, group_size, dtype=torch.float32):
     return w.T
 
 # %% ../nbs/08_awq.ipynb #90d302fb
-# 4-bit weights times 8-bit activations (what llama.cpp does with Q4_1 x Q8_1), for steps of any number of rows
-AWQ_CPU_SOURCE = CPU_KERNELS_SOURCE + r"""
+# 4-bit weights times 8-bit activations (what llama.cpp does with Q4_1 x Q8_1), for steps of any number of rows, and
+# chapter 05c's one-call decode step reading the projections through it
+AWQ_CPU_SOURCE = CPU_STEP_SOURCE + r"""
 // ---- chapter 08: 4-bit codes times 8-bit activations ----
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -272,8 +273,8 @@ AWQ_CPU_SOURCE = CPU_KERNELS_SOURCE + r"""
 
 // The layout (`pack_q4x8`): per block of 16 output rows, per group, per 8 inputs i0 .. i0 + 7 of the group: 64 bytes,
 // byte 4j + t holding output j's code for input i0 + t in its low nibble and for i0 + 4 + t in its high one; after
-// all codes, per block and group, 16 fp16 scales then 16 fp16 zeros (chapter 05c's Q4 layout, rearranged so that
-// one AND and one shift give 16 lanes of four codes each: what an integer dot-product instruction multiplies).
+// all codes, per block and group, 16 fp16 scales then 16 fp16 zeros. One AND and one shift give 16 lanes of four
+// codes each: what an integer dot-product instruction multiplies.
 // x is quantised in blocks of 32 inputs (llama.cpp's Q8 block), so a weight group holds group / 32 of them.
 constexpr int64_t Q4X8_BLOCK = 16, Q4X8_ROWS = 8, Q8_BLOCK = 32;
 
@@ -460,6 +461,15 @@ void matmul_q4x8(const void* W, const T* x, T* y, int64_t rows, int64_t n_in, in
 #define MATMUL_Q4X8(T, S) extern "C" void matmul_q4x8_##S(const void* W, const T* x, T* y, int64_t rows, \
     int64_t n_in, int64_t n_out, int64_t group) { matmul_q4x8<T>(W, x, y, rows, n_in, n_out, group); }
 BOTH_DTYPES(MATMUL_Q4X8)
+
+// Chapter 05c's decode step with every projection read as 4-bit codes by `matmul_q4x8` (x quantised per call)
+template <typename T> struct Q4x8Weights {
+  static void matvec(const void* W, const T* x, T* y, int64_t rows, int64_t n_in, int64_t n_out, int64_t group) {
+    matmul_q4x8<T>(W, x, y, rows, n_in, n_out, group);
+  }
+};
+#define DECODE_STEP_Q4X8(T, S) DECODE_STEP_OVER(decode_step_q4x8, Q4x8Weights, T, S)
+BOTH_DTYPES(DECODE_STEP_Q4X8)
 """
 
 # %% ../nbs/08_awq.ipynb #75e96365
@@ -467,7 +477,7 @@ def pack_q4x8(codes, scales, zeros):
     """`matmul_q4x8`'s layout: codes int [out, in] in 0..15, scales and zeros [out, in / G] (out a multiple of 16, G of
     32) -> one uint8 tensor: per block of 16 output rows, group and 8 inputs i0 .. i0 + 7, 64 bytes (byte 4j + t: row
     j's code for input i0 + t in the low nibble, for i0 + 4 + t in the high one); then per block and group 16 fp16
-    scales and 16 fp16 zeros (as chapter 05c's `pack_q4`). 4.5 bits per weight at G = 64."""
+    scales and 16 fp16 zeros. 4.5 bits per weight at G = 64."""
     n_out, n_in = codes.shape
     groups = scales.shape[1]
     if zeros.shape != scales.shape or scales.shape[0] != n_out or n_out % 16 or n_in % groups or (n_in // groups) % 32:
@@ -482,9 +492,9 @@ def pack_q4x8(codes, scales, zeros):
 
 @functools.cache
 def awq_cpu_kernels():
-    "This chapter's compiled kernel (built on first use): `{(\"matmul_q4x8\", dtype): function}`."
+    "This chapter's compiled kernels (built on first use): `{(name, dtype): function}`, matmul_q4x8, decode_step_q4x8."
     entries = load_kernels(build_cpu_kernels(AWQ_CPU_SOURCE, flags=STEP_CXX_FLAGS),
-                           {"matmul_q4x8": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4})
+                           {"matmul_q4x8": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4, "decode_step_q4x8": _STEP_ARGS})
     if len(openmp_runtimes()) > 1:  # as chapter 05c: two OpenMP thread pools would fight over the cores
         raise RuntimeError("the AWQ CPU kernel loaded a second OpenMP runtime beside PyTorch's")
     return entries
@@ -548,18 +558,22 @@ class AWQLinear(nn.Module):
         if on_cpu_kernel and awq_cpu_available(): return self.cpu_q4x8(x)
         return self.reference(x)
 
-    def cpu_q4x8(self, x):
-        "`matmul_q4x8` on x [..., in]: 8-bit activations against the codes, repacked on the first call."
+    def q4x8_codes(self):
+        "The codes in `pack_q4x8`'s layout, repacked on the first call."
         if self._q4x8 is None:
             codes, zeros = unpack_int4(self.qweight).T, unpack_int4(self.qzeros).T
             self._q4x8 = pack_q4x8(codes, self.scales.T, zeros)
-        rows = x.reshape(-1, self.in_features).contiguous()
-        return matmul_q4x8(self._q4x8, rows, self.out_features, self.group_size).reshape(*x.shape[:-1], -1)
+        return self._q4x8
 
-    def q4_weights(self):
-        "(bytes, group size): this weight in chapter 05c's `pack_q4` layout, which its one-call decode step reads."
-        codes, zeros = unpack_int4(self.qweight).T, unpack_int4(self.qzeros).T
-        return pack_q4(codes, self.scales.T, zeros), self.group_size
+    def cpu_q4x8(self, x):
+        "`matmul_q4x8` on x [..., in]: 8-bit activations against the codes."
+        rows = x.reshape(-1, self.in_features).contiguous()
+        return matmul_q4x8(self.q4x8_codes(), rows, self.out_features, self.group_size).reshape(*x.shape[:-1], -1)
+
+    def step_weights(self):
+        """What chapter 05c's one-call decode step reads for this projection: (bytes, group size, (name, kernel
+        table)): the `pack_q4x8` codes, read by `decode_step_q4x8`."""
+        return self.q4x8_codes(), self.group_size, ("decode_step_q4x8", awq_cpu_kernels())
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"

@@ -6,7 +6,7 @@ Docs: https://minfer.github.io/minfer/cpu_step.html.md"""
 
 # %% auto #0
 __all__ = ['CPU_STEP_SOURCE', 'STEP_CXX_FLAGS', 'STEP_MAX_ROWS', 'STEP_RUNS', 'openmp_runtimes', 'cpu_step_kernels',
-           'cpu_step_available', 'matvec', 'pack_q4', 'matvec_q4', 'StepLlama', 'can_step', 'fuse_decode_step']
+           'cpu_step_available', 'matvec', 'StepLlama', 'can_step', 'fuse_decode_step']
 
 # %% ../nbs/05c_cpu_step.ipynb #ef314a1d
 import ctypes, functools
@@ -67,161 +67,6 @@ void matvec(const T* W, const T* x, T* y, int64_t rows, int64_t n_in, int64_t n_
   }
 }
 
-// The same product for 4-bit weights (chapter 08's AWQ, repacked by `pack_q4`). A weight is (code - zero) * scale with
-// one fp16 scale and zero (an integer 0..15) per group of `group` inputs of an output row, so
-//   y_o = sum_groups scale * (sum_i code_i x_i) - scale * zero * (sum_i x_i):
-// the codes meet x as small integers, the scale is applied once per group, the zero meets the group's sum of x
-// (computed once per call). The layout serves a vector of 16 outputs at a time: for each block of 16 output rows,
-// group and pair of inputs (k, k+1), 16 bytes whose byte j holds output j's code for input k in its low nibble and
-// for k+1 in its high one. One 16-byte load, widened to 16 int32, gives two vectors of 16 codes (AND, shift), each
-// multiplied by one broadcast x; the sums stay in vector lanes, one per output, with no sum across lanes. After all
-// codes: per block and group, 16 fp16 scales then 16 fp16 zeros. 4.5 bits per weight at group 64.
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
-constexpr int64_t Q4_BLOCK = 16;  // output rows per block of the layout
-
-static inline float half_to_float(uint16_t h) {
-  const uint32_t e = (h >> 10) & 31, m = h & 1023;
-  float v;
-  if (e == 0) v = (float)m * 5.9604644775390625e-8f;  // subnormal: m * 2^-24 (tiny AWQ scales are)
-  else if (e == 31) v = m ? NAN : INFINITY;
-  else { const uint32_t u = ((e + 112) << 23) | (m << 13); std::memcpy(&v, &u, 4); }
-  return (h & 0x8000) ? -v : v;
-}
-
-struct Q4 {  // one projection's repacked weight: codes (n_out * n_in / 2 bytes), then the scales and zeros
-  const uint8_t* codes; const uint16_t* scale_zero; int64_t group;
-  Q4(const void* p, int64_t n_in, int64_t n_out, int64_t group)
-      : codes(static_cast<const uint8_t*>(p)),
-        scale_zero(reinterpret_cast<const uint16_t*>(codes + n_out * n_in / 2)), group(group) {}
-};
-
-// Output rows [16 * block, 16 * block + 16) for R rows of x: out [R, 16]. x_sums [R, groups]: each row's sum of x
-// per group.
-template <int R>
-static inline void block_rows_q4(const Q4& W, int64_t block, const float* x, const float* x_sums, int64_t n_in,
-                                 float* out) {
-  const int64_t groups = n_in / W.group, pairs = W.group / 2;
-  const uint8_t* q = W.codes + block * Q4_BLOCK * n_in / 2;
-  const uint16_t* sz = W.scale_zero + block * groups * 2 * Q4_BLOCK;
-#if defined(__AVX512F__)
-  // GCC's vectoriser makes slow code of the plain loop at the end (the fallback, and the definition), so here it is in
-  // AVX-512 intrinsics (16 lanes = the block's 16 outputs), then in AVX2 ones
-  __m512 acc[R], zero_part[R];
-  for (int r = 0; r < R; ++r) acc[r] = zero_part[r] = _mm512_setzero_ps();
-  const __m512i mask = _mm512_set1_epi32(15);
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint16_t* szg = sz + g * 2 * Q4_BLOCK;
-    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(szg)));
-    const __m512 zeros = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(szg + Q4_BLOCK)));
-    const __m512 sz_ = _mm512_mul_ps(s, zeros);
-    const uint8_t* qg = q + g * pairs * Q4_BLOCK;
-    const float* xg = x + g * W.group;  // row r's inputs of this group start at xg + r * n_in
-    __m512 even[R], odd[R];  // two sums per row, so the multiply-adds do not all wait on one another
-    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < pairs; ++p) {
-      const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + p * Q4_BLOCK)));
-      const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(c, mask));
-      const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4));
-      for (int r = 0; r < R; ++r) {
-        even[r] = _mm512_fmadd_ps(lo, _mm512_set1_ps(xg[r * n_in + 2 * p]), even[r]);
-        odd[r] = _mm512_fmadd_ps(hi, _mm512_set1_ps(xg[r * n_in + 2 * p + 1]), odd[r]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      acc[r] = _mm512_fmadd_ps(_mm512_add_ps(even[r], odd[r]), s, acc[r]);
-      zero_part[r] = _mm512_fmadd_ps(sz_, _mm512_set1_ps(x_sums[r * groups + g]), zero_part[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * Q4_BLOCK, _mm512_sub_ps(acc[r], zero_part[r]));
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-  // the same with 8 lanes: the block's 16 outputs are two vectors, [h] = outputs 8h .. 8h + 7
-  __m256 acc[R][2], zero_part[R][2];
-  for (int r = 0; r < R; ++r)
-    for (int h = 0; h < 2; ++h) acc[r][h] = zero_part[r][h] = _mm256_setzero_ps();
-  const __m256i mask = _mm256_set1_epi32(15);
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint16_t* szg = sz + g * 2 * Q4_BLOCK;
-    __m256 s[2], sz_[2], sum[R][2];
-    for (int h = 0; h < 2; ++h) {
-      s[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(szg + 8 * h)));
-      const __m128i zeros = _mm_loadu_si128(reinterpret_cast<const __m128i*>(szg + Q4_BLOCK + 8 * h));
-      sz_[h] = _mm256_mul_ps(s[h], _mm256_cvtph_ps(zeros));
-    }
-    const uint8_t* qg = q + g * pairs * Q4_BLOCK;
-    const float* xg = x + g * W.group;
-    for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_ps();
-    for (int64_t p = 0; p < pairs; ++p) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + p * Q4_BLOCK));
-      for (int h = 0; h < 2; ++h) {
-        const __m256i c = _mm256_cvtepu8_epi32(h ? _mm_srli_si128(bytes, 8) : bytes);
-        const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(c, mask));
-        const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4));
-        for (int r = 0; r < R; ++r) {
-          sum[r][h] = _mm256_fmadd_ps(lo, _mm256_broadcast_ss(xg + r * n_in + 2 * p), sum[r][h]);
-          sum[r][h] = _mm256_fmadd_ps(hi, _mm256_broadcast_ss(xg + r * n_in + 2 * p + 1), sum[r][h]);
-        }
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int h = 0; h < 2; ++h) {
-        acc[r][h] = _mm256_fmadd_ps(sum[r][h], s[h], acc[r][h]);
-        zero_part[r][h] = _mm256_fmadd_ps(sz_[h], _mm256_set1_ps(x_sums[r * groups + g]), zero_part[r][h]);
-      }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + r * Q4_BLOCK + 8 * h, _mm256_sub_ps(acc[r][h], zero_part[r][h]));
-#else
-  for (int64_t i = 0; i < R * Q4_BLOCK; ++i) out[i] = 0;
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint16_t* szg = sz + g * 2 * Q4_BLOCK;
-    const uint8_t* qg = q + g * pairs * Q4_BLOCK;
-    for (int r = 0; r < R; ++r) {
-      const float* xg = x + r * n_in + g * W.group;
-      float dot[Q4_BLOCK] = {};
-      for (int64_t p = 0; p < pairs; ++p)
-#pragma omp simd
-        for (int64_t j = 0; j < Q4_BLOCK; ++j) {
-          const uint8_t c = qg[p * Q4_BLOCK + j];
-          dot[j] += (float)(c & 15) * xg[2 * p] + (float)(c >> 4) * xg[2 * p + 1];
-        }
-      for (int64_t j = 0; j < Q4_BLOCK; ++j) {
-        const float s = half_to_float(szg[j]), z = half_to_float(szg[Q4_BLOCK + j]);
-        out[r * Q4_BLOCK + j] += s * dot[j] - s * z * x_sums[r * groups + g];
-      }
-    }
-  }
-#endif
-}
-
-// y = x W^T with W in the Q4 layout (n_out a multiple of 16, group of 32); otherwise as `matvec`
-template <typename T>
-void matvec_q4(const Q4& W, const T* x, T* y, int64_t rows, int64_t n_in, int64_t n_out) {
-  const int64_t groups = n_in / W.group;
-  std::vector<float> xf(rows * n_in), x_sums(rows * groups, 0.0f);
-  for (int64_t i = 0; i < rows * n_in; ++i) xf[i] = Num<T>::load(x[i]);
-  for (int64_t i = 0; i < rows * n_in; ++i) x_sums[i / W.group] += xf[i];
-#pragma omp parallel for schedule(static)
-  for (int64_t block = 0; block < n_out / Q4_BLOCK; ++block) {
-    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-      const float* xr = xf.data() + r0 * n_in;
-      const float* sr = x_sums.data() + r0 * groups;
-      float sums[4 * Q4_BLOCK];
-      const int64_t n = rows - r0 < 4 ? rows - r0 : 4;
-      switch (n) {
-        case 4: block_rows_q4<4>(W, block, xr, sr, n_in, sums); break;
-        case 3: block_rows_q4<3>(W, block, xr, sr, n_in, sums); break;
-        case 2: block_rows_q4<2>(W, block, xr, sr, n_in, sums); break;
-        default: block_rows_q4<1>(W, block, xr, sr, n_in, sums);
-      }
-      for (int64_t r = 0; r < n; ++r)
-        for (int64_t j = 0; j < Q4_BLOCK; ++j)
-          y[(r0 + r) * n_out + block * Q4_BLOCK + j] = Num<T>::store(sums[r * Q4_BLOCK + j]);
-    }
-  }
-}
-
 // y[r, :] += b for rows r < rows (chapter 12a's q/k/v biases), rounded as the model's dtype stores y
 template <typename T>
 static void add_bias(T* y, const T* b, int64_t rows, int64_t n) {
@@ -229,15 +74,11 @@ static void add_bias(T* y, const T* b, int64_t rows, int64_t n) {
     for (int64_t i = 0; i < n; ++i) y[r * n + i] = Num<T>::store(Num<T>::load(y[r * n + i]) + Num<T>::load(b[i]));
 }
 
-// The projections' weight formats the step reads: plain [out, in] matrices in the model's dtype, or Q4
+// How the step reads a projection's weight: here plain [out, in] matrices in the model's dtype. A weight format of a
+// later chapter brings its own struct with the same `matvec` (chapter 08: 4-bit codes) and its own entry point.
 template <typename T> struct DenseWeights {
   static void matvec(const void* W, const T* x, T* y, int64_t rows, int64_t n_in, int64_t n_out, int64_t) {
     ::matvec<T>(static_cast<const T*>(W), x, y, rows, n_in, n_out);
-  }
-};
-template <typename T> struct Q4Weights {
-  static void matvec(const void* W, const T* x, T* y, int64_t rows, int64_t n_in, int64_t n_out, int64_t group) {
-    matvec_q4<T>(Q4(W, n_in, n_out, group), x, y, rows, n_in, n_out);
   }
 };
 
@@ -247,8 +88,8 @@ template <typename T> struct Q4Weights {
 // o, post-attention norm, gate_up, down, then chapter 12a's q/k/v bias, q norm and k norm, each null where the model
 // has none), then the final norm and the LM head; k_cache, v_cache: chapter 03's pools,
 // layer after layer, layer_stride elements apart; logits [rows, vocab] in fp32.
-// dims: hidden, intermediate, n_q, n_kv, head_dim, layers, vocab, group (Q4 only). The projections are read as
-// `Weights` says (DenseWeights or Q4Weights); the norms and the LM head are always plain. timings (may be null):
+// dims: hidden, intermediate, n_q, n_kv, head_dim, layers, vocab, group (a quantized format's). The projections are
+// read as `Weights` says (here DenseWeights); the norms and the LM head are always plain. timings (may be null):
 // seconds spent per part, added to: layer matvecs, LM head, norms, RoPE + KV write + attention, SiLU x up.
 template <typename T, typename Weights>
 void decode_step(T* x, const T* cos, const T* sin, const void* const* weights, T* k_cache, T* v_cache, int64_t layer_stride,
@@ -304,21 +145,15 @@ void decode_step(T* x, const T* cos, const T* sin, const void* const* weights, T
 
 #define MATVEC(T, S) extern "C" void matvec_##S(const T* W, const T* x, T* y, int64_t rows, int64_t n_in, int64_t n_out) \
   { matvec<T>(W, x, y, rows, n_in, n_out); }
-#define MATVEC_Q4(T, S) extern "C" void matvec_q4_##S(const void* W, const T* x, T* y, int64_t rows, int64_t n_in, \
-    int64_t n_out, int64_t group) { matvec_q4<T>(Q4(W, n_in, n_out, group), x, y, rows, n_in, n_out); }
-#define DECODE_STEP(T, S) extern "C" void decode_step_##S(T* x, const T* cos, const T* sin, const void* const* weights, \
-    T* k_cache, T* v_cache, int64_t layer_stride, const int64_t* new_slots, const int32_t* block_tables, int64_t max_blocks, \
-    const int32_t* seq_lens, int64_t block_size, float* logits, int64_t rows, const int64_t* dims, float eps, double* timings) \
-  { decode_step<T, DenseWeights<T>>(x, cos, sin, weights, k_cache, v_cache, layer_stride, new_slots, block_tables, \
-                                     max_blocks, seq_lens, block_size, logits, rows, dims, eps, timings); } \
-  extern "C" void decode_step_q4_##S(T* x, const T* cos, const T* sin, const void* const* weights, \
-    T* k_cache, T* v_cache, int64_t layer_stride, const int64_t* new_slots, const int32_t* block_tables, \
-    int64_t max_blocks, const int32_t* seq_lens, int64_t block_size, float* logits, int64_t rows, \
-    const int64_t* dims, float eps, double* timings) \
-  { decode_step<T, Q4Weights<T>>(x, cos, sin, weights, k_cache, v_cache, layer_stride, new_slots, block_tables, \
-                                  max_blocks, seq_lens, block_size, logits, rows, dims, eps, timings); }
+// decode_step's C entry point over one weight format: NAME_f32 and NAME_bf16
+#define DECODE_STEP_OVER(NAME, WEIGHTS, T, S) extern "C" void NAME##_##S(T* x, const T* cos, const T* sin, \
+    const void* const* weights, T* k_cache, T* v_cache, int64_t layer_stride, const int64_t* new_slots, \
+    const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens, int64_t block_size, float* logits, \
+    int64_t rows, const int64_t* dims, float eps, double* timings) \
+  { decode_step<T, WEIGHTS<T>>(x, cos, sin, weights, k_cache, v_cache, layer_stride, new_slots, block_tables, \
+                               max_blocks, seq_lens, block_size, logits, rows, dims, eps, timings); }
+#define DECODE_STEP(T, S) DECODE_STEP_OVER(decode_step, DenseWeights, T, S)
 BOTH_DTYPES(MATVEC)
-BOTH_DTYPES(MATVEC_Q4)
 BOTH_DTYPES(DECODE_STEP)
 """
 
@@ -327,8 +162,7 @@ BOTH_DTYPES(DECODE_STEP)
 STEP_CXX_FLAGS = (*CXX_FLAGS, "-fopenmp")
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _STEP_ARGS = [_P, _P, _P, _P, _P, _P, _I, _P, _P, _I, _P, _I, _P, _I, _P, _F, _P]
-_STEP_SIGNATURES = {"matvec": [_P, _P, _P, _I, _I, _I], "matvec_q4": [_P, _P, _P, _I, _I, _I, _I],
-                    "decode_step": _STEP_ARGS, "decode_step_q4": _STEP_ARGS}
+_STEP_SIGNATURES = {"matvec": [_P, _P, _P, _I, _I, _I], "decode_step": _STEP_ARGS}
 
 def openmp_runtimes():
     "Paths of the OpenMP runtimes loaded in this process (read from /proc/self/maps; empty where that does not exist)."
@@ -338,7 +172,7 @@ def openmp_runtimes():
 
 @functools.cache
 def cpu_step_kernels():
-    "This chapter's compiled kernels (built on first use): `{(name, dtype): function}`, matvec and decode_step (+ _q4)."
+    "This chapter's compiled kernels (built on first use): `{(name, dtype): function}`, matvec and decode_step."
     entries = load_kernels(build_cpu_kernels(CPU_STEP_SOURCE, flags=STEP_CXX_FLAGS), _STEP_SIGNATURES)
     if len(openmp_runtimes()) > 1:  # two thread pools would fight over the cores, each spinning while the other works
         raise RuntimeError(f"the step kernels loaded a second OpenMP runtime beside PyTorch's ({', '.join(sorted(openmp_runtimes()))}); use kernels='cpu'")
@@ -358,35 +192,6 @@ def matvec(w, x):
     _kernel("matvec", x, w, y, table=cpu_step_kernels())(w.data_ptr(), x.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], w.shape[0])
     return y
 
-def pack_q4(codes, scales, zeros):
-    """The step's 4-bit layout (see `matvec_q4` in the C++): codes int [out, in] in 0..15, scales and zeros
-    [out, in / G] (out a multiple of 16, G of 2) -> one uint8 tensor: per block of 16 output rows, group and pair of
-    inputs (k, k+1), 16 bytes (byte j: row j's code for k in the low nibble, for k+1 in the high one); then per block
-    and group 16 fp16 scales and 16 fp16 zeros. 4.5 bits per weight at G = 64."""
-    n_out, n_in = codes.shape
-    groups = scales.shape[1]
-    if zeros.shape != scales.shape or scales.shape[0] != n_out or n_out % 16 or n_in % groups or (n_in // groups) % 2:
-        raise ValueError(f"pack_q4: codes [out, in] (out a multiple of 16) with scales and zeros [out, in / G]; "
-                         f"got {tuple(codes.shape)}, {tuple(scales.shape)}, {tuple(zeros.shape)}")
-    G = n_in // groups
-    c = codes.to(torch.uint8).reshape(n_out // 16, 16, groups, G // 2, 2).permute(0, 2, 3, 1, 4)
-    packed = (c[..., 0] | (c[..., 1] << 4)).reshape(-1)
-    per_block = lambda t: t.half().reshape(n_out // 16, 16, groups).permute(0, 2, 1)  # [blocks, groups, 16]
-    scale_zero = torch.stack([per_block(scales), per_block(zeros)], 2).reshape(-1).view(torch.uint8)
-    return torch.cat([packed, scale_zero])
-
-def matvec_q4(w, x, n_out, group_size):
-    "`x W^T` for W in `pack_q4`'s layout (`n_out` rows, groups of `group_size`) by the step's kernel; x [1..16, n_in]."
-    n_in = x.shape[-1] if x.dim() == 2 else -1
-    fits = w.dtype == torch.uint8 and w.numel() == n_out * n_in // 2 + n_out * n_in // group_size * 4
-    if x.dim() != 2 or not 1 <= x.shape[0] <= FUSED_MAX_ROWS or n_in % group_size or n_out % 16 or not fits:
-        raise ValueError(f"matvec_q4: x must be [1..{FUSED_MAX_ROWS}, n_in] and w pack_q4's uint8 bytes for "
-                         f"[{n_out}, n_in] in groups of {group_size}; got x {tuple(x.shape)}, "
-                         f"w {w.dtype} of {w.numel()} bytes")
-    y = torch.empty(x.shape[0], n_out, dtype=x.dtype)
-    f = _kernel("matvec_q4", x, y, table=cpu_step_kernels())
-    f(w.data_ptr(), x.data_ptr(), y.data_ptr(), x.shape[0], n_in, n_out, group_size)
-    return y
 
 # %% ../nbs/05c_cpu_step.ipynb #03d0d0e6
 # sequences per decode step up to which one call beats 05b's fused ops (measured below on the course machine: in fp32
@@ -401,8 +206,9 @@ class StepLlama(Llama):
     """`Llama` whose decode steps (one new token for each of up to `STEP_MAX_ROWS` sequences, over a paged KV cache) are one C++ call:
     every layer's norms, matvecs, RoPE, KV write and attention, then the final norm and the LM head. Other steps run the
     modules as before. Set `timings` to a float64 tensor of 5 zeros to have each call add the seconds it spends per part:
-    layer matvecs, LM head, norms, RoPE + KV write + attention, SiLU x up."""
-    timings, max_rows, group_size = None, STEP_MAX_ROWS, 0
+    layer matvecs, LM head, norms, RoPE + KV write + attention, SiLU x up. `step_kernel`: (name, kernel table) of the
+    call, `decode_step` over the projections' weight format (`fuse_decode_step` sets it)."""
+    timings, max_rows, group_size, step_kernel = None, STEP_MAX_ROWS, 0, None
 
     def one_call(self, tokens, attention, logits_rows):
         "Whether this forward is a decode step `decode_step` can take."
@@ -421,7 +227,8 @@ class StepLlama(Llama):
         logits = torch.empty(len(tokens), cfg.vocab_size)
         dims = (_I * 8)(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                         cfg.head_dim, cfg.num_hidden_layers, cfg.vocab_size, self.group_size)
-        _kernel("decode_step_q4" if self.group_size else "decode_step", x, cos, sin, k, v, table=cpu_step_kernels())(
+        name, table = self.step_kernel
+        _kernel(name, x, cos, sin, k, v, table=table)(
             x.data_ptr(), cos.data_ptr(), sin.data_ptr(), self.weight_pointers, k.data_ptr(), v.data_ptr(), k.stride(0), m.slot_mapping.data_ptr(),
             m.block_tables.data_ptr(), m.block_tables.shape[1], m.seq_lens.data_ptr(), k.shape[2], logits.data_ptr(), len(tokens), dims,
             self.norm.eps, None if self.timings is None else self.timings.data_ptr())
@@ -439,8 +246,8 @@ def can_step(dtype, device):
 def fuse_decode_step(model):
     """Make `model`'s decode steps one `decode_step` call each (the class switches to `StepLlama`, in place). The
     projections are read as plain [out, in] matrices in the model's dtype, or, where every one of them has a
-    `q4_weights()` method (chapter 08's `AWQLinear`: `(pack_q4 bytes, group size)`), as 4-bit codes by
-    `decode_step_q4`."""
+    `step_weights()` method (chapter 08's `AWQLinear`), in the format it names: `(bytes, group size, (name, kernel
+    table))`, the table's `name` being `decode_step` compiled over that format."""
     if not can_step(model.dtype, model.device):
         raise ValueError(f"the one-call decode step needs float32 or bfloat16 on a CPU with a C++ compiler and OpenMP; this model is {model.dtype} on {model.device}")
     check_behaviours(model.cfg, STEP_RUNS, "the one-call decode step (kernels='step')")
@@ -450,17 +257,18 @@ def fuse_decode_step(model):
     def plain(p):
         w = getattr(p, "weight", None)
         return isinstance(w, torch.Tensor) and w.dtype == model.dtype and w.is_contiguous()
-    q4 = [p.q4_weights() for p in projections] if all(hasattr(p, "q4_weights") for p in projections) else None
-    readable = all(plain(p) for p in projections) if q4 is None else len({g for _, g in q4}) == 1
+    formats = [p.step_weights() for p in projections] if all(hasattr(p, "step_weights") for p in projections) else None
+    readable = all(plain(p) for p in projections) if formats is None else len({(g, name) for _, g, (name, _) in formats}) == 1
     if not (readable and plain(model.lm_head)):
         raise ValueError("the one-call decode step reads plain [out, in] weights in the model's dtype (weights='plain' "
-                         "or 'packed'), or 4-bit ones of one group size (weights='awq-int4'), and a plain LM head")
+                         "or 'packed'), or those of one weight format (`step_weights`, weights='awq-int4'), and a plain LM head")
     model.__class__ = StepLlama
-    model.group_size = q4[0][1] if q4 else 0  # 0: plain projections
-    model.q4_buffers = [w for w, _ in q4] if q4 else None  # kept alive: the call reads them by address
+    model.group_size = formats[0][1] if formats else 0  # 0: plain projections
+    model.step_kernel = formats[0][2] if formats else ("decode_step", cpu_step_kernels())
+    model.weight_buffers = [w for w, _, _ in formats] if formats else None  # kept alive: the call reads them by address
     # the weights' addresses, in decode_step's order, gathered once: ~1 ms of Python attribute lookups if done every step
     # (replace a weight after this and call fuse_decode_step again)
-    addr = iter([w.data_ptr() for w in model.q4_buffers] if q4 else [p.weight.data_ptr() for p in projections])
+    addr = iter([w.data_ptr() for w in model.weight_buffers] if formats else [p.weight.data_ptr() for p in projections])
     ptr = lambda t: 0 if t is None else t.data_ptr()  # 0: a null pointer, where the model has no such tensor
     weights = [p for l in model.layers for p in (l.input_layernorm.weight.data_ptr(), next(addr), next(addr),
                                                  l.post_attention_layernorm.weight.data_ptr(), next(addr), next(addr),

@@ -651,7 +651,8 @@ class WeightFormat:
     decode step streams per projection weight (the ledger's count); `refuses(dtype, device)`: why it cannot run there
     (one line), or None; `detect(folder)`: whether a folder is stored in this format (so `weights="auto"` picks it);
     `plain_weights`: whether the model keeps plain [out, in] matrices in its dtype (05c's one-call step reads them);
-    `step_weights`: whether its projections give 05c's 4-bit layout instead (`q4_weights()`, the step reads it too);
+    `step_weights`: whether its projections give the step a format of their own instead (`step_weights()`,
+    e.g. chapter 08's 4-bit codes);
     `stored`: whether it loads only from a folder saved in it (`detect` says which), not from plain weights."""
     name: str
     load: Callable
