@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import minfer.tp
 from minfer import LLM, SamplingParams
+from minfer.model import PackedLinear
 from minfer.roofline import measure_bandwidth
 from minfer.tp import tp_bytes_per_token
 
@@ -36,6 +37,16 @@ def held_bytes(model):
     tensors = {p.data_ptr(): p for p in model.parameters()}
     tensors.update({id(m.packed): m.packed for m in model.modules() if hasattr(m, "packed")})  # oneDNN: no pointer
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def head_ms(head, batch, repeats=20):
+    "Milliseconds of one LM head product alone on one thread (fastest of `repeats`): what a rank computes per step."
+    x, times = torch.randn(batch, head.in_features), []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        head(x)
+        times.append(time.perf_counter() - t)
+    return min(times) * 1e3
 
 
 def run(llm, batch, n, group=None):
@@ -71,15 +82,22 @@ def main(argv=None):
     held = {key: held_bytes(llm.engine.model) for key, llm in engines.items()}
     for key, llm in engines.items():
         if key[0] > 1: llm.close()
+    torch.set_num_threads(1)  # as a rank of two has: the head whole against its half, the compute the split saves
+    whole_head = one.engine.model.lm_head
+    half_head = PackedLinear(whole_head.weight[:one.model_config.vocab_size // 2])
+    head = {b: (head_ms(whole_head, b), head_ms(half_head, b)) for b in (1, 8)}
     torch.set_num_threads(threads)
     bw = measure_bandwidth()
     cfg = one.model_config
     lines = [f"# Tensor parallelism on one machine, {datetime.datetime.now():%Y-%m-%d %H:%M}", "",
              f"Machine: {machine()}. Command: `python benchmarks/bench_tp.py --tokens {a.tokens} --repeats "
              f"{a.repeats}`. fp32, kernels=cpu, the default model; medians of {a.repeats} alternating runs; copy "
-             f"bandwidth {bw / 1e9:.1f} GB/s (one memory for both ranks). LM head: the embedding and the LM head (tied: "
-             f"one {cfg.vocab_size} x {cfg.hidden_size} table, {cfg.vocab_size * cfg.hidden_size * 4 / 1e6:.1f} MB "
-             "of fp32) whole on every rank or split by vocabulary.", "",
+             f"bandwidth {bw / 1e9:.1f} GB/s (one memory for both ranks). LM head: the embedding and the LM head "
+             f"(tied: one {cfg.vocab_size} x {cfg.hidden_size} table, "
+             f"{cfg.vocab_size * cfg.hidden_size * 4 / 1e6:.1f} MB of fp32) whole on every rank or split by "
+             "vocabulary. The LM head's product alone, one thread, fastest of "
+             "20: " + ", ".join(f"batch {b}: {w:.1f} ms whole, {h:.1f} ms half" for b, (w, h) in head.items()) + ".",
+             "",
              "| ranks | LM head | batch | ms per step | tok/s | in collectives | collectives/step (+ broadcast) "
              "| weights read/rank "
              "| weights held/rank | wire/rank | floor tok/s |",

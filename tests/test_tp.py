@@ -82,8 +82,8 @@ class SimulatedRanks:
 @pytest.mark.parametrize("vocab, world", [(11, 2), (11, 3), (10, 3)])
 def test_a_vocabulary_that_the_ranks_do_not_divide(model_dir, vocab, world):
     """Padded to a multiple of N: every rank the same ceil(V / N) rows, the last ones zeros. A one-layer model with a
-    vocabulary of 10 or 11 (random weights): the ranks' embedding rows add up to the whole lookup, their logits put side by
-    side, padding dropped, are the whole head's, for tied and untied tables."""
+    vocabulary of 10 or 11 (random weights): the ranks' embedding rows add up to the whole lookup, their logits put
+    side by side, padding dropped, are the whole head's, for tied and untied tables."""
     rows = -(-vocab // world)
     split = vocab_split(vocab, world)
     assert [first for first, _, _ in split] == [min(r * rows, vocab) for r in range(world)]
