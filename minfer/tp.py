@@ -196,7 +196,6 @@ class VocabParallelLMHead(nn.Module):
         pieces = self.group.gather(mine)
         return mine[:, :0] if pieces is None else torch.cat(pieces, -1)[:, :self.vocab]
 
-
 def build_shard(config, group, vocab_parallel=True):
     """Rank `group.rank`'s model for a resolved `config`: loaded whole, sliced (`shard_model`), packed if its weight
     format asks (the LM head's slice too), the row-parallel projections wrapped in `AllReduce`, the embedding and LM
