@@ -1,17 +1,21 @@
-"""Chapter 13: tensor parallelism. The split model gives the unsplit model's greedy tokens and prompt log-probabilities
-(fp32, within 1e-4: only the order of the sums changes) alone and batched, with the prefix cache, chunked prefill, forks,
-logprobs and aborts; each rank's slices put back together are the unsplit weights; a rank that dies ends the requests
+"""Chapter 13: tensor parallelism. The split model (embedding and LM head split by vocabulary, the default) gives the
+unsplit model's greedy tokens and prompt log-probabilities (fp32, within 1e-4: only the order of the sums changes) alone
+and batched, with the prefix cache, chunked prefill, forks, logprobs and aborts; each rank's slices put back together
+are the unsplit weights, the vocabulary's too (padded where N does not divide it); a rank that dies ends the requests
 in flight with an error within seconds and leaves no process behind; two "machines" (ranks started separately, from
-torchrun's environment, on another loopback address) give the same tokens."""
+torchrun's environment, on another loopback address, with the embedding and LM head replicated) give the same
+tokens."""
 import copy, os, signal, subprocess, sys, textwrap, time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest, torch
 from minfer import LLM, SamplingParams
 from minfer.disagg import WorkerDied, free_port
 from minfer.engine import EngineConfig
-from minfer.model import load_model
-from minfer.tp import head_split, even_split, shard_model
+from minfer.model import Llama, load_model
+from minfer.tp import (VocabParallelEmbedding, VocabParallelLMHead, even_split, head_split, shard_model,
+                       tp_bytes_per_token, vocab_split)
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away, there lived a king",
@@ -53,7 +57,68 @@ def test_the_slices_put_together_are_the_unsplit_weights(model_dir, world):
         assert torch.equal(torch.cat([gate, up]), layer.mlp.gate_up_proj.weight)
         assert torch.equal(torch.cat([p.mlp.down_proj.weight for p in parts], 1), layer.mlp.down_proj.weight)
     assert sum(s.cfg.num_attention_heads for s in shards) == cfg.num_attention_heads and nq and nkv
-    assert all(torch.equal(s.lm_head.weight, full.lm_head.weight) for s in shards)  # replicated
+    # the vocabulary: 49152 rows, divided by 2 and 3; tied, so each rank's one slice is its embedding and its LM head
+    assert torch.equal(torch.cat([s.embed_tokens.weight for s in shards]), full.embed_tokens.weight)
+    assert all(s.lm_head.weight is s.embed_tokens.weight and s.cfg.vocab_size == cfg.vocab_size // world
+               for s in shards)
+    whole = shard_model(copy.deepcopy(full), 0, world, vocab_parallel=False)  # the switch off: replicated
+    assert torch.equal(whole.lm_head.weight, full.lm_head.weight) and whole.cfg.vocab_size == cfg.vocab_size
+
+
+class SimulatedRanks:
+    """The collectives of `world` ranks run one after another in one process, rank 0 last: `all_reduce` returns the
+    rank's own partial sum (the caller adds them up), `gather` keeps each piece and hands rank 0 them all."""
+    def __init__(self, world): self.world, self.pieces = world, {}
+    def at(self, rank):
+        ranks = self
+        class Group:
+            def all_reduce(self, t): return t
+            def gather(self, t):
+                ranks.pieces[rank] = t
+                return [ranks.pieces[r] for r in range(ranks.world)] if rank == 0 else None
+        return Group()
+
+
+@pytest.mark.parametrize("vocab, world", [(11, 2), (11, 3), (10, 3)])
+def test_a_vocabulary_that_the_ranks_do_not_divide(model_dir, vocab, world):
+    """Padded to a multiple of N: every rank the same ceil(V / N) rows, the last ones zeros. A one-layer model with a
+    vocabulary of 10 or 11 (random weights): the ranks' embedding rows add up to the whole lookup, their logits put
+    side by side, padding dropped, are the whole head's, for tied and untied tables."""
+    rows = -(-vocab // world)
+    split = vocab_split(vocab, world)
+    assert [first for first, _, _ in split] == [min(r * rows, vocab) for r in range(world)]
+    assert sum(n for _, n, _ in split) == vocab and all(n + pad == rows for _, n, pad in split)
+    assert vocab_split(11, 4) == [(0, 3, 0), (3, 3, 0), (6, 3, 0), (9, 2, 1)] and vocab_split(13, 5)[-1] == (12, 1, 2)
+    assert vocab_split(49152, 2) == [(0, 24576, 0), (24576, 24576, 0)]
+    for tied in (True, False):
+        cfg = replace(load_model(model_dir, device="meta").cfg, vocab_size=vocab, num_hidden_layers=1,
+                      tie_word_embeddings=tied)
+        torch.manual_seed(0)
+        full = Llama(cfg).eval().requires_grad_(False)
+        for p in full.parameters(): p.normal_()
+        shards = [shard_model(copy.deepcopy(full), r, world) for r in range(world)]
+        assert all(s.embed_tokens.weight.shape[0] == rows for s in shards)
+        assert torch.equal(torch.cat([s.embed_tokens.weight for s in shards])[:vocab], full.embed_tokens.weight)
+        assert torch.equal(torch.cat([s.lm_head.weight for s in shards])[:vocab], full.lm_head.weight)
+        assert not torch.cat([s.embed_tokens.weight for s in shards])[vocab:].any()  # padding: zeros
+        assert all((s.lm_head.weight is s.embed_tokens.weight) == tied for s in shards)
+        ids, x = torch.arange(vocab).flip(0), torch.randn(3, cfg.hidden_size)
+        ranks = SimulatedRanks(world)
+        parts = [(VocabParallelEmbedding(s.embed_tokens, split[r][0], ranks.at(r))(ids),
+                  VocabParallelLMHead(s.lm_head, vocab, ranks.at(r))(x)) for r, s in reversed(list(enumerate(shards)))]
+        assert torch.equal(sum(e for e, _ in parts), full.embed_tokens(ids))  # one rank gives each id its row
+        logits = parts[-1][1]  # rank 0's: every rank's piece, padding dropped
+        assert logits.shape == (3, vocab) and all(h.shape == (3, 0) for _, h in parts[:-1])
+        assert torch.allclose(logits, full.lm_head(x), atol=1e-5)
+
+
+def test_bytes_per_token_count_the_split_head(model_dir):
+    cfg = load_model(model_dir, device="meta").cfg
+    split, whole = tp_bytes_per_token(cfg, 2, "float32"), tp_bytes_per_token(cfg, 2, "float32", vocab_parallel=False)
+    head = cfg.vocab_size * cfg.hidden_size * 4  # 113 MB of fp32: half of it leaves each rank
+    assert whole["weights"] - split["weights"] == head / 2
+    assert split["collectives"] == whole["collectives"] + 2 == 2 * cfg.num_hidden_layers + 2
+    assert split["wire"] - whole["wire"] == cfg.hidden_size * 4 + cfg.vocab_size // 2 * 4  # one all-reduce, a gather
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +141,13 @@ def max_logprob_difference(want, got):
 
 
 def test_split_equals_unsplit_batched_and_alone(reference, split):
-    "Greedy tokens equal, prompt log-probs within 1e-4; prompts longer than the 32-token budget are chunked."
+    """Greedy tokens equal, prompt log-probs within 1e-4; prompts longer than the 32-token budget are chunked. The
+    embedding and LM head are split by vocabulary (the default): every step's embedding is summed by an all-reduce
+    and its logits gathered from both ranks."""
     assert split.config.tensor_parallel_size == 2 and split.config.kernels != "step"
+    head = split.engine.model.lm_head
+    assert isinstance(head, VocabParallelLMHead) and head.weight.shape[0] == head.vocab // 2
+    assert isinstance(split.engine.model.embed_tokens, VocabParallelEmbedding)
     p = SamplingParams(max_tokens=16, ignore_eos=True, prompt_logprobs=0, logprobs=2)
     long = PROMPTS[2] + " " + " ".join(PROMPTS) * 3
     want = reference.generate(PROMPTS + [long], p, raw=True)
@@ -128,8 +198,11 @@ def test_two_machines_from_torchrun_environment(reference):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.2", "MASTER_PORT": str(port),
            "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
     script = textwrap.dedent("""
+        import minfer.tp
         from minfer import LLM, SamplingParams
+        minfer.tp.VOCAB_PARALLEL = False  # the switch off: rank 0 tells the worker, whose embedding and head stay whole
         llm = LLM(tensor_parallel_size=2)
+        assert "LM head replicated" in repr(llm.engine)
         print(llm.generate("The capital of France is", SamplingParams(max_tokens=12, ignore_eos=True), raw=True)[0].token_ids)
         llm.close()
     """)
