@@ -505,7 +505,8 @@ CONFIG_RULES.extend([
     Rule(("speculative", "attention"), lambda c: _tree(c) and c.attention != "torch",
          lambda c: f"speculative tree={c.speculative.tree!r} gives each row its own list of keys, which chapter 03's "
                    f"attention='torch' reads; attention={c.attention!r} reads whole block tables"),
-    Rule(("speculative", "kv_dtype"), lambda c: _tree(c) and c.kv_dtype in KV_FORMATS,
+    Rule(("speculative", "kv_dtype", "dtype"), lambda c: _tree(c) and c.kv_dtype in KV_FORMATS,
+
          lambda c: f"speculative tree={c.speculative.tree!r} moves kept nodes' K/V between slots as stored in the "
                    f"model's dtype; kv_dtype={c.kv_dtype!r} stores them quantized: use kv_dtype={c.dtype!r}"),
 ])
