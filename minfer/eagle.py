@@ -9,8 +9,8 @@ __all__ = ['ASKS', 'SCHEDULES', 'RANK_PRIOR', 'TREE_TOP_K', 'TREE_DEPTH', 'head_
            'training_text', 'chat_prompts', 'self_distill', 'draft_vocabulary', 'BatchedCausal', 'make_batch',
            'head_losses', 'fmt_time', 'train_head', 'default_head_dir', 'save_head', 'check_head_folder', 'load_head',
            'train_eagle', 'run_train_eagle', 'HeadState', 'EagleProposer', 'EagleSpeculator', 'tree_children',
-           'tree_greedy', 'tree_sample', 'move_kv', 'verify', 'tree_depths', 'tree_path_tokens', 'static_tree',
-           'best_nodes', 'DraftTree', 'propose_tree', 'tree_decode_attention']
+           'tree_greedy', 'keep_draft', 'draw_token', 'tree_sample', 'move_kv', 'verify', 'tree_depths',
+           'tree_path_tokens', 'static_tree', 'best_nodes', 'DraftTree', 'propose_tree', 'tree_decode_attention']
 
 # %% ../nbs/10b_eagle.ipynb #e0a3
 import heapq, json, math, random, re, sys, time
@@ -424,24 +424,31 @@ def tree_greedy(choose, drafts, parents):
         path.append(child)
         row = child + 1
 
-def tree_sample(probs_at, drafts, parents, generators):
+def keep_draft(p, d, gen):
+    "True with probability p(d) / sum(p) (p need not be normalised)."
+    return float(torch.rand((), generator=gen)) * float(p.sum()) < float(p[d])
+
+def draw_token(p, gen): return int(torch.multinomial(p, 1, generator=gen))
+
+def tree_sample(probs_at, drafts, parents, generators, keep=keep_draft, draw=draw_token):
     """Multi-draft speculative sampling with point-mass drafts (SpecInfer; EAGLE's tree rule): at a node whose target
     distribution is p (`probs_at(row)`, called along the path only), its children are tried in order: child c with
     token d is accepted with probability p(d) (then its own children are tried), else p(d) is set to 0 and p
     renormalised for the next sibling; when every child is rejected, a token is drawn from what is left of p.
-    generators[j]: the random stream of output position j. -> (accepted nodes, their tokens + one drawn)."""
+    generators[j]: the random stream of output position j; `keep` and `draw` make the two random choices (a test
+    replaces them to enumerate every outcome). -> (accepted nodes, their tokens + one drawn)."""
     children, row, path = tree_children(parents), 0, []
     while True:
         p, gen = probs_at(row).clone(), generators[len(path)]
         for c in children[row]:
-            d = drafts[c]
-            if float(torch.rand((), generator=gen)) * float(p.sum()) < float(p[d]):  # u < p(d) / sum(p)
+            if keep(p, drafts[c], gen):
                 path.append(c)
                 row = c + 1
                 break
-            p[d] = 0
+            p[drafts[c]] = 0
         else:
-            return path, [drafts[c] for c in path] + [int(torch.multinomial(p, 1, generator=gen))]
+            return path, [drafts[c] for c in path] + [draw(p, gen)]
+
 
 def move_kv(cache, src, dst):
     "Copy K and V of flat slots `src` to slots `dst` in every layer (a kept tree node's rows to their place)."

@@ -2,8 +2,8 @@
 
 References: plain decoding (speculative=None) for greedy outputs; a plain forward without a cache (`NoCache`, chapter
 00a) of each node's root path for the tree rows' logits; a paged prefill of the accepted tokens for the KV after
-compaction; the target's own distribution for the tree sampler (exact enumeration of its accept / reject events on a
-tiny vocabulary, and a chi-square test of `tree_sample` itself with deliberately bad drafts); chapter 03's PyTorch
+compaction; the target's own distribution for the tree sampler (`tree_sample` run once per sequence of its random choices on
+a tiny vocabulary, and a chi-square test of `tree_sample` itself with deliberately bad drafts); chapter 03's PyTorch
 attention over explicit key lists for the Triton tree kernel (in the interpreter).
 """
 import gc, math, os
@@ -95,22 +95,25 @@ def test_kv_after_compaction_equals_a_prefill(model_dir, plain, tiny_head, monke
 
 # ---- the tree sampler is exact -------------------------------------------------------------------------------------
 def exact_outputs(probs, drafts, parents):
-    """Every output of the tree rule with its probability, by enumerating its events: at a node, child c is accepted
-    with probability p(d) / sum(p); rejected, p(d) = 0 for the next one; all rejected, token t with p(t) / sum(p)."""
-    children, out = tree_children(parents), {}
-    def walk(row, prefix, weight):
-        p = probs[row].double().clone()
-        for c in children[row]:
-            d = drafts[c]
-            a = float(p[d] / p.sum())
-            if a > 0: walk(c + 1, prefix + (d,), weight * a)
-            weight *= 1 - a
-            p[d] = 0
-            if weight == 0: return
-        for t in range(len(p)):
-            if p[t] > 0: out[prefix + (t,)] = out.get(prefix + (t,), 0) + weight * float(p[t] / p.sum())
-    walk(0, (), 1.0)
-    return out
+    """Every output of `tree_sample` and its exact probability: it is run once per sequence of its random choices
+    (keep a draft or not, which token to draw), each choice weighted by its probability (the rule's own arithmetic,
+    not re-implemented here)."""
+    law, todo = {}, [()]
+    while todo:
+        script, taken, weight = todo.pop(), [], [1.0]
+        def choose(options):
+            if len(taken) < len(script): pick = script[len(taken)]
+            else:
+                pick = 0
+                todo.extend(tuple(taken) + (alt,) for alt in range(1, len(options)))
+            taken.append(pick)
+            weight[0] *= options[pick][1]
+            return options[pick][0]
+        keep = lambda p, d, gen: choose([(True, float(p[d] / p.sum())), (False, float(1 - p[d] / p.sum()))])
+        draw = lambda p, gen: choose([(t, float(p[t] / p.sum())) for t in range(len(p))])
+        _, out = tree_sample(lambda row: probs[row], drafts, parents, [None] * (len(parents) + 1), keep, draw)
+        if weight[0] > 0: law[tuple(out)] = law.get(tuple(out), 0) + weight[0]
+    return law
 
 def target_law(probs, drafts, parents, out):
     "The target's probability of output `out`: each token from the row of the node its prefix reached."
@@ -123,7 +126,7 @@ def target_law(probs, drafts, parents, out):
     return law
 
 @pytest.mark.parametrize("seed", range(6))
-def test_tree_rule_is_exact_by_enumeration(seed):
+def test_tree_sample_is_exact_by_enumeration(seed):
     g = torch.Generator().manual_seed(seed)
     V = 4
     parents = [[-1, -1, 0, 0, 2], [-1, 0, 1], [-1, -1, -1, 0, 3, 3], [-1, -1, 0, 1, 1, 4], [-1], [-1, -1, -1, -1]][seed]
