@@ -151,7 +151,7 @@ def main(argv=None):
                 "decoding and chains, kernels='cpu' + attention='torch' for trees and 'none (layers)'; draft ms per "
                 "step: the proposer's time per call" if a.trees else ""),
              "", "| workload | batch | config | tok/s | speedup | per repeat | acceptance | tokens / target pass | "
-             "acceptance per depth | head ms / guess | draft ms / step |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "acceptance per depth | head ms / guess | draft ms / step |", "|---" * 11 + "|"]
     for r in rows:
         depth = ", ".join(f"{x:.2f}" for x in r["acceptance_per_depth"]) if r["acceptance_per_depth"] else "-"
         head_ms = f"{r['head_ms_per_guess']:.2f}" if r["head_ms_per_guess"] else "-"

@@ -2,9 +2,9 @@
 
 References: plain decoding (speculative=None) for greedy outputs; a plain forward without a cache (`NoCache`, chapter
 00a) of each node's root path for the tree rows' logits; a paged prefill of the accepted tokens for the KV after
-compaction; the target's own distribution for the tree sampler (`tree_sample` run once per sequence of its random choices on
-a tiny vocabulary, and a chi-square test of `tree_sample` itself with deliberately bad drafts); chapter 03's PyTorch
-attention over explicit key lists for the Triton tree kernel (in the interpreter).
+compaction; the target's own distribution for the tree sampler (`tree_sample` run once per sequence of its random
+choices on a tiny vocabulary, and a chi-square test of `tree_sample` on real random streams with deliberately bad
+drafts); chapter 03's PyTorch attention over explicit key lists for the Triton tree kernel (in the interpreter).
 """
 import gc, math, os
 import pytest, torch
