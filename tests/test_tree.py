@@ -48,6 +48,18 @@ def test_greedy_identical_batch_1_and_8(model_dir, plain, tiny_head, tree):
     assert mixed.engine.cache.allocator.num_used == 0  # every node's block came back
 
 
+def test_greedy_identical_with_prefix_cache_and_blocks_counted(model_dir, plain, tiny_head):
+    "Prefix-cache hits (features the target never computed) and trees; after, every block in use is the cache's."
+    p = SamplingParams(max_tokens=20, ignore_eos=True)
+    prompts = [PROMPTS[1] + " one", PROMPTS[1] + " two", PROMPTS[0]]
+    want = [o.token_ids for o in plain.generate(prompts, p, raw=True)]
+    spec = tree_llm(model_dir, tiny_head, "static", prefix_cache=True)
+    assert [o.token_ids for o in spec.generate(prompts, p, raw=True)] == want
+    assert [o.token_ids for o in spec.generate(prompts, p, raw=True)] == want  # now from the prefix cache
+    stats = spec.engine.stats
+    assert stats["blocks_in_use"] == stats["cached_blocks"] > 0, stats
+
+
 def test_tree_rows_equal_a_plain_forward_of_their_path(model_dir, plain, tiny_head):
     "Each node's logits row equals the target's forward without a cache over the sequence + its root path (fp32)."
     spec = tree_llm(model_dir, tiny_head, "dynamic")
