@@ -5,7 +5,14 @@ configuration in turn within each repeat (A B C ... A B C ...), medians. At temp
 run without speculation. Records tokens per target pass, acceptance per depth (of the guesses made at depth j, the
 fraction the target accepted) and the head's milliseconds per guess (the proposer's time over its guesses).
 
-    python benchmarks/bench_eagle.py [--repeats 2] [--max-tokens 64] [--temperature 0] [--record]
+`--trees`: chains against static and dynamic token trees at equal node budgets (4 and 8 guesses per step). A tree's
+rows attend to their own ancestors, which the one-call C++ step cannot do, so trees run on a second engine with
+kernels='cpu' and attention='torch' (what `LLM(speculative={..., "tree": ...})` resolves to); plain decoding runs on
+both engines, and every speedup is against plain decoding on the default switches. Acceptance per depth for a tree:
+of the verifies whose tree reached depth j, the fraction that kept a path of j nodes or more; draft ms per step: the
+proposer's time per call. Records benchmarks/eagle-tree-<date>.md and .json.
+
+    python benchmarks/bench_eagle.py [--repeats 2] [--max-tokens 64] [--temperature 0] [--trees] [--record]
 """
 import argparse, datetime, json, os, statistics, sys, time
 from pathlib import Path
@@ -13,7 +20,7 @@ from pathlib import Path
 from minfer.llm import LLM
 from minfer.sequence import SamplingParams
 from minfer.engine import SPECULATORS, speculative_config
-from minfer.eagle import default_head_dir
+from minfer.eagle import default_head_dir, tree_depths
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_decode import machine
@@ -22,6 +29,11 @@ from bench_speculative import workloads
 CONFIGS = {"none": None, "ngram adaptive": {"method": "ngram", "num_speculative_tokens": 8, "adaptive": True},
            **{f"eagle k={k}": {"method": "eagle", "num_speculative_tokens": k} for k in (2, 3, 4)},
            "eagle adaptive": {"method": "eagle", "num_speculative_tokens": 6, "adaptive": True}}
+# --trees: (engine, speculative) per configuration; "layers" is the engine trees need (kernels='cpu', attention='torch')
+TREE_CONFIGS = {"none": ("default", None), "none (layers)": ("layers", None),
+                **{f"chain {n}": ("default", {"method": "eagle", "num_speculative_tokens": n}) for n in (4, 8)},
+                **{f"{t} tree {n}": ("layers", {"method": "eagle", "num_speculative_tokens": n, "tree": t})
+                   for n in (4, 8) for t in ("static", "dynamic")}}
 
 class Probe:
     "Counts, for one speculator, guesses and acceptances per depth and the proposer's time."
@@ -29,7 +41,8 @@ class Probe:
         self.reset()
         verify, propose = speculator.verify, speculator.proposer.propose
         def counted_verify(seq, logits):
-            k = len(seq.draft_ids)
+            # a chain's guess j sits at depth j; a tree is made to its deepest node's depth
+            k = len(seq.draft_ids) if seq.draft_parents is None else max(tree_depths(seq.draft_parents), default=0)
             out = verify(seq, logits)
             for j in range(k): self.made[j] = self.made.get(j, 0) + 1
             for j in range(len(out) - 1): self.kept[j] = self.kept.get(j, 0) + 1
@@ -39,8 +52,9 @@ class Probe:
             propose(seqs, ks)
             self.seconds += time.perf_counter() - t
             self.guesses += sum(len(s.draft_ids) for s in seqs)
+            self.calls += 1
         speculator.verify, speculator.proposer.propose = counted_verify, timed_propose
-    def reset(self): self.made, self.kept, self.seconds, self.guesses = {}, {}, 0.0, 0
+    def reset(self): self.made, self.kept, self.seconds, self.guesses, self.calls = {}, {}, 0.0, 0, 0
     def per_depth(self): return [round(self.kept.get(j, 0) / n, 3) for j, n in sorted(self.made.items())]
 
 def run(llm, prompts, batch, params):
@@ -55,29 +69,34 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--batch1-prompts", type=int, default=4, help="prompts per workload at batch 1 (all 8 at batch 8)")
+    ap.add_argument("--trees", action="store_true", help="chains against static and dynamic token trees")
     ap.add_argument("--record", action="store_true")
     a = ap.parse_args(argv)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=0)
-    # one model and engine for every configuration; each run switches the engine's speculator, what
-    # `LLM(speculative=...)` would have built
+    # one model and engine for every configuration (two with --trees); each run switches the engine's speculator,
+    # what `LLM(speculative=...)` would have built
     llm = LLM()
+    llms = {"default": llm, "layers": LLM(kernels="cpu", attention="torch")} if a.trees else {"default": llm}
+    configs = TREE_CONFIGS if a.trees else {name: ("default", spec) for name, spec in CONFIGS.items()}
     speculators, probes = {}, {}
-    for name, spec in CONFIGS.items():
-        spec = None if spec is None else SPECULATORS[spec["method"]].resolve(speculative_config(spec), llm.model_dir)
-        speculators[name] = None if spec is None else SPECULATORS[spec.method](spec, llm.engine)
+    for name, (engine, spec) in configs.items():
+        host = llms[engine]
+        spec = None if spec is None else SPECULATORS[spec["method"]].resolve(speculative_config(spec), host.model_dir)
+        speculators[name] = None if spec is None else SPECULATORS[spec.method](spec, host.engine)
         if speculators[name] is not None: probes[name] = Probe(speculators[name])
     work = workloads()
     cases = [(w, b) for w in work for b in (1, 8)]
-    times = {(c, w, b): [] for c in CONFIGS for w, b in cases}
+    times = {(c, w, b): [] for c in configs for w, b in cases}
     stats, want = {}, {}
-    llm.generate("warm up", SamplingParams(max_tokens=4))
+    for host in llms.values(): host.generate("warm up", SamplingParams(max_tokens=4))
     for r in range(a.repeats):
         for w, b in cases:
             prompts = work[w] if b == 8 else work[w][:a.batch1_prompts]
             for name, speculator in speculators.items():
-                llm.engine.runner.speculator = speculator
+                host = llms[configs[name][0]]
+                host.engine.runner.speculator = speculator
                 if name in probes: probes[name].reset()
-                n, dt, outs = run(llm, prompts, b, params)
+                n, dt, outs = run(host, prompts, b, params)
                 ids = [o.token_ids for o in outs]
                 if name == "none": want.setdefault((w, b), ids)
                 if a.temperature == 0:
@@ -91,27 +110,30 @@ def main(argv=None):
                     tokens_per_pass=statistics.mean([x["tokens_per_pass"] for x in m if x["tokens_per_pass"]] or [1]),
                     acceptance_per_depth=probe.per_depth() if probe else None,
                     head_ms_per_guess=(1000 * probe.seconds / probe.guesses if probe and probe.guesses
-                                       and name.startswith("eagle") else None),
+                                       and name != "ngram adaptive" else None),
+                    draft_ms_per_step=1000 * probe.seconds / probe.calls if probe and probe.calls else None,
                     tokens=n)
                 s = stats[(name, w, b)]
                 print(f"repeat {r}: {w:10s} batch {b}: {name:15s} {n / dt:7.2f} tok/s  acceptance "
                       f"{s['acceptance']:.2f}  tokens/pass {s['tokens_per_pass']:.2f}  per depth "
-                      f"{s['acceptance_per_depth']}  head ms/guess {s['head_ms_per_guess']}", flush=True)
+                      f"{s['acceptance_per_depth']}  head ms/guess {s['head_ms_per_guess']}  draft ms/step "
+                      f"{s['draft_ms_per_step']}", flush=True)
     rows = []
     for w, b in cases:
         base = statistics.median(times[("none", w, b)])
-        for name in CONFIGS:
+        for name in configs:
             v = times[(name, w, b)]
             rows.append(dict(workload=w, batch=b, config=name, tok_s=statistics.median(v),
                              speedup=statistics.median(v) / base,
                              per_repeat=[x / y for x, y in zip(v, times[("none", w, b)])], **stats[(name, w, b)]))
     head_config = json.loads((default_head_dir() / "config.json").read_text())
-    lines = [f"# EAGLE against plain decoding and prompt lookup, medians of {a.repeats} alternating runs", "",
+    title = "EAGLE chains against token trees" if a.trees else "EAGLE against plain decoding and prompt lookup"
+    lines = [f"# {title}, medians of {a.repeats} alternating runs", "",
              f"- date: {datetime.datetime.now():%Y-%m-%d %H:%M}",
              f"- machine: {machine()}; shared machine: other jobs ran beside this one (1-minute load average at the "
              f"end: {os.getloadavg()[0]:.1f} on 2 cores)",
              f"- command: `python benchmarks/bench_eagle.py --repeats {a.repeats} --max-tokens {a.max_tokens} "
-             f"--temperature {a.temperature}{' --record' if a.record else ''}`",
+             f"--temperature {a.temperature}{' --trees' if a.trees else ''}{' --record' if a.record else ''}`",
              f"- model: the default (SmolLM2-135M-Instruct), default switches ({llm.config.kernels} kernels, "
              f"{llm.config.dtype}), temperature {a.temperature}, natural stops, max_tokens={a.max_tokens}, "
              "chat template",
@@ -123,22 +145,27 @@ def main(argv=None):
              "- " + ("every speculative run's tokens were identical to the run without speculation (asserted)"
                      if a.temperature == 0 else "sampled: outputs differ between configurations, their law does not"),
              "- speedup: median tok/s over the plain run's median; per repeat: against the plain run of the same "
-             "repeat; acceptance per depth: of the guesses made at depth j (1, 2, ...), the fraction accepted",
+             "repeat; acceptance per depth: of the guesses made at depth j (1, 2, ...), the fraction accepted"
+             + ("; for a tree, of the verifies whose tree reached depth j, the fraction that kept j nodes or more; "
+                "acceptance: kept guesses over guesses made (a tree's nodes); engines: 'default' switches for plain "
+                "decoding and chains, kernels='cpu' + attention='torch' for trees and 'none (layers)'; draft ms per "
+                "step: the proposer's time per call" if a.trees else ""),
              "", "| workload | batch | config | tok/s | speedup | per repeat | acceptance | tokens / target pass | "
-             "acceptance per depth | head ms / guess |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "acceptance per depth | head ms / guess | draft ms / step |", "|---" * 11 + "|"]
     for r in rows:
         depth = ", ".join(f"{x:.2f}" for x in r["acceptance_per_depth"]) if r["acceptance_per_depth"] else "-"
         head_ms = f"{r['head_ms_per_guess']:.2f}" if r["head_ms_per_guess"] else "-"
+        step_ms = f"{r['draft_ms_per_step']:.1f}" if r.get("draft_ms_per_step") else "-"
         lines.append(f"| {r['workload']} | {r['batch']} | {r['config']} | {r['tok_s']:.1f} | {r['speedup']:.2f}x | "
                      f"{', '.join(f'{x:.2f}' for x in r['per_repeat'])} | {r['acceptance']:.2f} | "
-                     f"{r['tokens_per_pass']:.2f} | {depth} | {head_ms} |")
+                     f"{r['tokens_per_pass']:.2f} | {depth} | {head_ms} | {step_ms} |")
     report = "\n".join(lines) + "\n"
     print(report)
     if a.record:
         stamp = f"{datetime.datetime.now():%Y-%m-%d-%H%M}"
-        out = Path(__file__).parent / f"eagle-{stamp}"
+        out = Path(__file__).parent / f"eagle-{'tree-' if a.trees else ''}{stamp}"
         out.with_suffix(".md").write_text(report)
-        record = dict(temperature=a.temperature, rows=rows,
+        record = dict(temperature=a.temperature, trees=a.trees, rows=rows,
                       head={k: v for k, v in head_config["eagle"].items()})
         out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
         print("recorded", out.with_suffix(".md"))

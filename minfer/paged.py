@@ -137,22 +137,33 @@ class BatchMeta:
     max_seqlen_q: int
     max_seqlen_k: int
     rope_lens: torch.Tensor | None = None  # int64 [B]: the lengths LongRoPE picks its table by (chapter 12a), if set
+    # {entry: int64 slots}: a one-row entry that attends to exactly these keys, not to its table's first seq_lens
+    # positions (a node of a token tree sees the sequence and its own ancestors only, chapter 10b)
+    key_slots: dict | None = None
 
-def build_batch_meta(seqs, block_size, device="cpu"):
+def build_batch_meta(seqs, block_size, device="cpu", keys=None):
     """`BatchMeta` from one (block_table, num_cached_tokens, num_new_tokens) per sequence.
-    block_table: a list of block ids or a `BlockTable`; it must already cover cached + new tokens."""
+    block_table: a list of block ids or a `BlockTable`; it must already cover cached + new tokens.
+    keys: None, or per entry None or the positions (of its table) that the entry's one new row attends to."""
     tables = [list(getattr(bt, "blocks", bt)) for bt, _, _ in seqs]
-    slots, cu, lens = [], [0], []
-    for blocks, (_, c, n) in zip(tables, seqs):
+    slots, cu, lens, key_slots = [], [0], [], {}
+    for i, (blocks, (_, c, n)) in enumerate(zip(tables, seqs)):
         if -(-(c + n) // block_size) > len(blocks): raise ValueError(f"block table of {len(blocks)} blocks cannot hold {c + n} tokens")
         slots += [blocks[p // block_size] * block_size + p % block_size for p in range(c, c + n)]
         cu.append(cu[-1] + n); lens.append(c + n)
+        if keys is not None and keys[i] is not None:
+            if n != 1: raise ValueError(f"explicit keys are for one-row entries; entry {i} has {n} rows")
+            key_slots[i] = torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in keys[i]],
+                                        dtype=torch.int64, device=device)
+            lens[-1] = len(keys[i])
+
     width = max([len(b) for b in tables] + [1])
     bt = torch.tensor([b + [0] * (width - len(b)) for b in tables], dtype=torch.int32).reshape(len(seqs), width)
     q_lens = [b - a for a, b in zip(cu, cu[1:])]
     return BatchMeta(torch.tensor(slots, dtype=torch.int64, device=device), torch.tensor(cu, dtype=torch.int32, device=device),
                      torch.tensor(lens, dtype=torch.int32, device=device), bt.to(device),
-                     max(q_lens, default=0), max(lens, default=0))
+                     max(q_lens, default=0), max(lens, default=0), key_slots=key_slots or None)
+
 
 # %% ../nbs/03_paged.ipynb #c96e1446
 class PagedKVCache:
@@ -237,8 +248,9 @@ class PagedAttention:
         Prefill chunks: (first row, end row, key slots) each. Decode rows (one new token): groups of up to
         `decode_group` sequences of similar length: (rows or None for all rows in order, slot ids of g sequences x the
         longest, key mask or None).
-        Key slots index the flat pool [num_blocks * bs, kv_heads, head_dim]; see `key_slots`. bs: tokens per block."""
-        dev = meta.block_tables.device
+        Key slots index the flat pool [num_blocks * bs, kv_heads, head_dim]; see `key_slots`. bs: tokens per block.
+        A decode row with explicit keys (`meta.key_slots`, a token tree's node) reads those in place of its table's."""
+        dev, explicit = meta.block_tables.device, meta.key_slots or {}
         cu, lens, tables = meta.cu_seqlens_q.tolist(), meta.seq_lens.tolist(), meta.block_tables.tolist()
         prefill = [(cu[i], cu[i + 1], key_slots(tables[i], n, bs, dev)) for i, n in enumerate(lens) if cu[i + 1] - cu[i] > 1]
         dec = sorted((i for i in range(len(lens)) if cu[i + 1] - cu[i] == 1), key=lambda i: lens[i])
@@ -247,11 +259,14 @@ class PagedAttention:
             idx = torch.tensor(g, device=dev)
             rows = None if g == list(range(len(lens))) else meta.cu_seqlens_q[idx].long()  # None: every row, in order
             if len(g) == 1:  # a lone sequence needs no padding: its keys, a view where its blocks are consecutive
-                decode.append((rows, key_slots(tables[g[0]], lens[g[0]], bs, dev), None))
+                decode.append((rows, explicit.get(g[0], key_slots(tables[g[0]], lens[g[0]], bs, dev)), None))
                 continue
             pos = torch.arange(lens[g[-1]], device=dev)  # sorted, so the last is the longest
             valid = pos < meta.seq_lens[idx, None]
             slots = meta.block_tables[idx].long()[:, pos // bs] * bs + pos % bs
+            for j, i in enumerate(g):
+                if i in explicit: slots[j, :lens[i]] = explicit[i]
+
             # padding reads the sequence's own first key (then masked out), never another request's data, which may be inf
             slots = torch.where(valid, slots, slots[:, :1])
             mask = None if lens[g[0]] == lens[g[-1]] else valid[:, None, None, :]
@@ -289,8 +304,10 @@ class PagedAttention:
             plan = []
             for i, n in enumerate(lens):
                 lo = 0 if window is None else max(0, n - (cu[i + 1] - cu[i]) - window + 1)
-                slots = key_slots(tables[i], n, bs, q.device)
+                # a tree node's keys (chapter 10b) are its root path, positions 0 .. its own in order: same window
+                slots = (meta.key_slots or {}).get(i, key_slots(tables[i], n, bs, q.device))
                 slots = slice(slots.start + lo, slots.stop) if isinstance(slots, slice) else slots[lo:]
+
                 plan.append((cu[i], cu[i + 1], slots))
             self.window_plans[window] = plan
         k_flat, v_flat = k_cache.view(-1, h, d), v_cache.view(-1, h, d)

@@ -62,7 +62,7 @@ class Scheduler:
         "Free a running sequence's KV and send it back to the front of the queue; its tokens are kept and recomputed."
         self.running.remove(seq)
         self._release(seq)
-        seq.num_computed, seq.status, seq.draft_ids, seq.draft_probs = 0, "waiting", [], None
+        seq.num_computed, seq.status, seq.draft_ids, seq.draft_probs, seq.draft_parents = 0, "waiting", [], None, None
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
@@ -162,7 +162,8 @@ def postprocess(self, batch, sampled):
         seq.metrics.bytes_per_token = seq.bytes_moved / len(seq.output_ids)
     for seq, _ in batch:
         if not seq.draft_ids: continue
-        seq.draft_ids, seq.draft_probs = [], None
+        seq.draft_ids, seq.draft_probs, seq.draft_parents = [], None, None
+
         # the KV kept: the accepted guesses' (the last accepted token's is written by the next step), never that of a
         # rejected guess at a position a forced token now holds
         seq.num_computed = min(seq.num_computed, verified[seq] - 1)
