@@ -496,7 +496,8 @@ def pack_q4x8(codes, scales, zeros):
 def awq_cpu_kernels():
     "This chapter's compiled kernels (built on first use): `{(name, dtype): function}`, matmul_q4x8, decode_step_q4x8."
     entries = load_kernels(build_cpu_kernels(AWQ_CPU_SOURCE, flags=STEP_CXX_FLAGS),
-                           {"matmul_q4x8": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4, "decode_step_q4x8": _STEP_ARGS})
+                           {"matmul_q4x8": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4,
+                            "decode_step_q4x8": _STEP_ARGS})
     if len(openmp_runtimes()) > 1:  # as chapter 05c: two OpenMP thread pools would fight over the cores
         raise RuntimeError("the AWQ CPU kernel loaded a second OpenMP runtime beside PyTorch's")
     return entries

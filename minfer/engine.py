@@ -92,7 +92,6 @@ class ModelRunner:
             self.attn.meta.rope_lens = torch.tensor(lens, device=dev)
         tokens = [t for s, n in batch for t in (s.token_ids + s.draft_ids)[s.num_computed:s.num_computed + n]]
         tokens = torch.tensor(tokens, device=dev)
-
         rows, start = [], 0
         for s, n in batch:
             if _wants_prompt_rows(s) or s.draft_ids: rows += range(start, start + n)

@@ -156,7 +156,6 @@ def build_batch_meta(seqs, block_size, device="cpu", keys=None):
             key_slots[i] = torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in keys[i]],
                                         dtype=torch.int64, device=device)
             lens[-1] = len(keys[i])
-
     width = max([len(b) for b in tables] + [1])
     bt = torch.tensor([b + [0] * (width - len(b)) for b in tables], dtype=torch.int32).reshape(len(seqs), width)
     q_lens = [b - a for a, b in zip(cu, cu[1:])]
@@ -266,7 +265,6 @@ class PagedAttention:
             slots = meta.block_tables[idx].long()[:, pos // bs] * bs + pos % bs
             for j, i in enumerate(g):
                 if i in explicit: slots[j, :lens[i]] = explicit[i]
-
             # padding reads the sequence's own first key (then masked out), never another request's data, which may be inf
             slots = torch.where(valid, slots, slots[:, :1])
             mask = None if lens[g[0]] == lens[g[-1]] else valid[:, None, None, :]
@@ -307,7 +305,6 @@ class PagedAttention:
                 # a tree node's keys (chapter 10b) are its root path, positions 0 .. its own in order: same window
                 slots = (meta.key_slots or {}).get(i, key_slots(tables[i], n, bs, q.device))
                 slots = slice(slots.start + lo, slots.stop) if isinstance(slots, slice) else slots[lo:]
-
                 plan.append((cu[i], cu[i + 1], slots))
             self.window_plans[window] = plan
         k_flat, v_flat = k_cache.view(-1, h, d), v_cache.view(-1, h, d)

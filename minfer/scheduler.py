@@ -163,7 +163,6 @@ def postprocess(self, batch, sampled):
     for seq, _ in batch:
         if not seq.draft_ids: continue
         seq.draft_ids, seq.draft_probs, seq.draft_parents = [], None, None
-
         # the KV kept: the accepted guesses' (the last accepted token's is written by the next step), never that of a
         # rejected guess at a position a forced token now holds
         seq.num_computed = min(seq.num_computed, verified[seq] - 1)

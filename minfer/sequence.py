@@ -91,9 +91,8 @@ class Sequence:
     bytes_moved: float = field(init=False, default=0.0)     # its share of the engine's bytes (weights + its own KV)
     draft_ids: list = field(init=False, default_factory=list)  # speculative tokens to verify in the next step (ch. 10)
     draft_probs: object = field(init=False, default=None)    # their proposer's distributions [k, vocab]; None: one-hot
-    draft_parents: list | None = field(init=False, default=None)  # a token tree's: each guess's parent, -1 the last
-    # token (parents before children; chapter 10b); None: the guesses are a chain
-
+    # a token tree's (chapter 10b): each guess's parent, -1 the last token, parents before children; None: a chain
+    draft_parents: list | None = field(init=False, default=None)
     spec_alpha: float | None = field(init=False, default=None)  # its running acceptance rate (adaptive k, ch. 10)
     # incremental detokenization: decoded up to _read, text of ids[_prefix:_read] is a settled window; handed out
     _prefix: int = field(init=False, default=0, repr=False)

@@ -123,7 +123,8 @@ def test_llm_step_equals_naive(model_dir, model, tokenizer):
     from minfer.naive import naive_generate
     from test_engine import TEXTS as ENGINE_TEXTS, near_tie_at
     llm = LLM(model_dir, kernels="step")
-    assert llm.kernels == "step" and llm.weights == "packed" and isinstance(llm.model, StepLlama) and isinstance(llm.engine.attn, CpuAttention)
+    assert llm.kernels == "step" and llm.weights == "packed" and isinstance(llm.model, StepLlama)
+    assert isinstance(llm.engine.attn, CpuAttention)
     texts, p = ENGINE_TEXTS + ENGINE_TEXTS[:2], SamplingParams(max_tokens=8, ignore_eos=True)
     llm.model.timings = clock = torch.zeros(5, dtype=torch.float64)
     outs = llm.generate(texts, p, raw=True)

@@ -269,7 +269,8 @@ def test_cpu_kernel_reads_int8(dtype, tol, fused_rows):
     q, k, v = (torch.randn(3, h, 64, generator=g).to(dtype) for h in (9, 3, 3))
     if fused_rows: q, k, v = torch.cat([q, k, v], 1).split([9, 3, 3], 1)  # q: not contiguous
     outs = []
-    for cls in (QuantizedCpuAttention, PagedAttention):  # the kernel's call stores the new K/V too; the reference writes them again
+    # the kernel's call stores the new K/V too; the reference writes them again
+    for cls in (QuantizedCpuAttention, PagedAttention):
         a = cls(cache); a.meta = build_batch_meta([(t, n - 1, 1) for t, n in zip(tables, lens)], 16)
         outs.append(a(1, q, k, v).float())
     assert torch.isfinite(outs[0]).all() and torch.allclose(*outs, atol=tol), (outs[0] - outs[1]).abs().max()
