@@ -262,8 +262,8 @@ def fuse_decode_step(model):
     else: readable = len({(g, name) for _, g, (name, _) in formats}) == 1  # one group size, one kernel
     if not (readable and plain(model.lm_head)):
         raise ValueError("the one-call decode step reads plain [out, in] weights in the model's dtype (weights='plain' "
-                         "or 'packed'), or those of one weight format (`step_weights`, weights='awq-int4'), and a plain "
-                         "LM head")
+                         "or 'packed'), or those of one weight format (`step_weights`, weights='awq-int4'), "
+                         "and a plain LM head")
     model.__class__ = StepLlama
     model.group_size = formats[0][1] if formats else 0  # 0: plain projections
     model.step_kernel = formats[0][2] if formats else ("decode_step", cpu_step_kernels())
