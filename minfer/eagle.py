@@ -6,11 +6,12 @@ Docs: https://minfer.github.io/minfer/eagle.html.md"""
 
 # %% auto #0
 __all__ = ['ASKS', 'SCHEDULES', 'RANK_PRIOR', 'TREE_TOP_K', 'TREE_DEPTH', 'head_config', 'EagleHead', 'FeatureTap', 'tap_of',
-           'training_text', 'chat_prompts', 'self_distill', 'draft_vocabulary', 'BatchedCausal', 'make_batch',
-           'head_losses', 'fmt_time', 'train_head', 'default_head_dir', 'save_head', 'check_head_folder', 'load_head',
-           'train_eagle', 'run_train_eagle', 'HeadState', 'EagleProposer', 'EagleSpeculator', 'tree_children',
-           'tree_greedy', 'keep_draft', 'draw_token', 'tree_sample', 'move_kv', 'verify', 'tree_depths',
-           'tree_path_tokens', 'static_tree', 'best_nodes', 'DraftTree', 'propose_tree', 'tree_decode_attention']
+           'topic_words', 'chat_prompts', 'BatchedCausal', 'target_features', 'self_distill', 'draft_vocabulary',
+           'UnrolledCausal', 'make_batch', 'unroll_head', 'head_losses', 'fmt_time', 'train_head', 'default_head_dir',
+           'save_head', 'check_head_folder', 'load_head', 'train_eagle', 'run_train_eagle', 'HeadState',
+           'EagleProposer', 'EagleSpeculator', 'tree_children', 'tree_greedy', 'keep_draft', 'draw_token',
+           'tree_sample', 'move_kv', 'verify', 'tree_depths', 'tree_path_tokens', 'static_tree', 'best_nodes',
+           'DraftTree', 'propose_tree', 'tree_decode_attention']
 
 # %% ../nbs/10b_eagle.ipynb #e0a3
 import heapq, json, math, random, re, sys, time
@@ -21,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from .model import ModelConfig, DecoderLayer, NoCache, make_rope, default_model_dir, check_model_folder, data_dir
+from .model import ModelConfig, DecoderLayer, NoCache, make_rope, default_model_dir, check_model_folder
 from .paged import ATTENTION_BACKENDS, KV_FORMATS, PagedKVCache, BlockTable, OutOfBlocks, build_batch_meta
 from .sampling import sample, sampling_probs, logprob_entries
 from .flash import split_kv_decode, load_kv_tile
@@ -84,132 +85,195 @@ def tap_of(model):
     return model.feature_tap
 
 # %% ../nbs/10b_eagle.ipynb #e0d2
-ASKS = ("Summarise this text in a few sentences:\n\n{p}", "Explain this to a beginner, with an example:\n\n{p}",
-        "Write three questions a student might ask about this text, and answer them:\n\n{p}",
-        "What is the main idea of this text?\n\n{p}", "Rewrite this text in plain English:\n\n{p}",
-        "Continue this text with one more paragraph:\n\n{p}", "List the key points of this text:\n\n{p}",
-        "Tell me a short story that uses this idea: {s}", "Explain this sentence in your own words: {s}",
-        "Write a friendly email to a colleague about this: {s}", "Why does this matter? {s}",
-        "Give me some tips related to this: {s}", "Write a short story about a {w}.",
-        "Write a poem about the word '{w}'.",
-        "Explain what '{w}' means to a ten-year-old.", "Give me some advice about {w}.",
-        "Describe a day in the life of a {w}.", "What are the pros and cons of {w}?")
+ASKS = ("Write a short story about {w}.", "Write a poem about {w}.", "Explain {w} to a ten-year-old.",
+        "Give me some advice about {w}.", "What are the pros and cons of {w}?", "Describe {w} in detail.",
+        "List five facts about {w}.", "How would you teach someone about {w}?", "Write a letter to a friend about {w}.",
+        "What is the history of {w}?", "Give me three ideas involving {w}.", "Compare {w} and {u}.",
+        "Write a dialogue between two people about {w}.", "Why do people care about {w}?",
+        "Write a plan for a weekend that involves {w}.", "What would the world be like without {w}?",
+        "Tell me a story about a {w} and a {u}.", "What does the word '{w}' mean? Use it in a sentence.",
+        "How does {w} work?", "What are three good habits related to {w}?", "Give me some ideas for a party about {w}.",
+        "What would happen if {w} disappeared?", "Describe your ideal day with {w}.", "Why is {w} important?",
+        "Write a short essay on {w}.", "Explain the difference between {w} and {u}.",
+        "What questions should I ask about {w}?", "Summarise what you know about {w} in a paragraph.",
+        "Write a haiku about {w}.", "Give me a step-by-step guide to {w}.", "What is a fun fact about {w}?",
+        "Write a product description for a {w}.", "How can I get better at {w}?",
+        "Imagine a world made of {w}. Describe it.", "Write a news headline and a short article about {w}.",
+        "What are common mistakes people make with {w}?", "Explain {w} using an analogy.", "Write a song about {w}.",
+        "What can children learn from {w}?", "Describe the sound, smell and look of {w}.")
 
-def training_text():
-    "The shipped text the prompts are made from (the benchmarks ask other things)."
-    return (data_dir() / "text" / "calibration.txt").read_text()
+def topic_words(tokenizer):
+    """The target's own vocabulary as a list of topics: its tokens that are a whole lower-case word of 4 to 11 letters
+    after a space (about 19,000 for SmolLM2's; a few are fragments such as 'desicc', which the target answers
+    anyway)."""
+    vocab = tokenizer.tok.get_vocab()
+    return sorted({t[1:] for t in vocab if t[:1] in ("Ġ", "▁") and re.fullmatch(r"[a-z]{4,11}", t[1:])})
 
-def chat_prompts(text, n, seed=0):
-    """n chat prompts made from `text`: an instruction of `ASKS` around one of its paragraphs, one of its sentences,
-    or one of its words (the open-ended asks: stories, poems, advice, whatever the word)."""
+def chat_prompts(words, n, seed=0):
+    "n chat prompts: an ask of `ASKS` about one or two random words of `words`."
     rng = random.Random(seed)
-    paras = [p.strip() for p in text.split("\n\n") if 200 < len(p.strip()) < 900]
-    sents = [s.strip() + "." for p in paras for s in p.replace("\n", " ").split(". ") if 40 < len(s.strip()) < 200]
-    words = sorted({w.lower() for w in re.findall(r"\b[A-Za-z]{5,12}\b", text)})
-    return [rng.choice(ASKS).format(p=rng.choice(paras), s=rng.choice(sents), w=rng.choice(words)) for _ in range(n)]
+    return [rng.choice(ASKS).format(w=rng.choice(words), u=rng.choice(words)) for _ in range(n)]
 
-@torch.inference_mode()
-def self_distill(llm, prompts, max_tokens=128, temperatures=(0.0, 0.7), seed=0, log=None):
-    """The target's own answers to `prompts` (the first half at temperatures[0], the rest at temperatures[-1]), then
-    one pass of the target over each prompt + answer, its features kept. -> [(token ids [T], features [T, hidden])]."""
-    half, seqs = len(prompts) // 2, []
-    for group, temperature in ((prompts[:half], temperatures[0]), (prompts[half:], temperatures[-1])):
-        if not group: continue
-        texts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in group]
-        outs = llm.generate(texts, SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed))
-        seqs += [llm.tokenizer.encode(x) + o.token_ids for x, o in zip(texts, outs)]
-        if log: log(f"the target wrote {sum(len(o.token_ids) for o in outs)} tokens at temperature {temperature}")
-    tap, data = tap_of(llm.model), []
-    for ids in seqs:
-        llm.model(torch.tensor(ids), torch.arange(len(ids)), NoCache(), logits_rows=torch.tensor([len(ids) - 1]))
-        data.append((torch.tensor(ids), tap.features()))
-    return data
-
-def draft_vocabulary(data, size):
-    "The `size` target tokens that come next most often in `data`, most common first: draft id -> target id (d2t)."
-    counts = torch.bincount(torch.cat([t[1:] for t, _ in data]), minlength=size)
-    return counts.argsort(descending=True, stable=True)[:size]
-
-# %% ../nbs/10b_eagle.ipynb #e0e2
 class BatchedCausal:
-    "Training's attention: B sequences of L rows each, packed as [B * L] rows; causal within each sequence."
+    "Attention over B sequences of L rows each, packed as [B * L] rows; causal within each sequence."
     def __init__(self, batch, length): self.B, self.L = batch, length
     def __call__(self, layer, q, k, v, **kw):
         q, k, v = (x.view(self.B, self.L, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return o.transpose(1, 2).reshape(self.B * self.L, o.shape[1], o.shape[3])
 
-def make_batch(data, rows, length, rng):
-    """`rows` windows of up to `length` head positions from random sequences of `data`, right-padded. Position t reads
-    token x[t+1] and feature f[t] and is scored against f[t+1]. -> tokens, features, targets, mask, positions."""
-    h = data[0][1].shape[1]
-    tokens, mask, positions = (torch.zeros(rows, length, dtype=t) for t in (torch.long, torch.bool, torch.long))
-    feats, targets = torch.zeros(rows, length, h), torch.zeros(rows, length, h)
-    for b in range(rows):
-        ids, f = data[rng.randrange(len(data))]
-        n = len(ids) - 1  # head positions 0 .. n - 1: each needs the next token and the next feature
-        start = rng.randrange(0, max(1, n - length + 1))
-        m = min(length, n - start)
-        tokens[b, :m], feats[b, :m] = ids[start + 1:start + 1 + m], f[start:start + m]
-        targets[b, :m], mask[b, :m], positions[b, :m] = f[start + 1:start + 1 + m], True, torch.arange(start, start + m)
-    return tokens, feats, targets, mask, positions
+@torch.inference_mode()
+def target_features(model, seqs, batch=16):
+    """The target's feature at every position of every token list in `seqs`: one causal pass per `batch` of them,
+    right-padded to the longest (padding comes after every real row, so no real row sees it).
+    -> [features [T, hidden]]"""
+    tap, out = tap_of(model), [None] * len(seqs)
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))  # similar lengths together: little padding
+    for i in range(0, len(order), batch):
+        group = order[i:i + batch]
+        L = len(seqs[group[-1]])
+        tokens = torch.zeros(len(group), L, dtype=torch.long)
+        for b, j in enumerate(group): tokens[b, :len(seqs[j])] = torch.tensor(seqs[j])
+        model(tokens.view(-1), torch.arange(L).repeat(len(group)), BatchedCausal(len(group), L),
+              logits_rows=torch.tensor([0]))
+        f = tap.features().view(len(group), L, -1)
+        for b, j in enumerate(group): out[j] = f[b, :len(seqs[j])].clone()
+    return out
 
-def head_losses(head, batch, noise=0.0, generator=None):
-    """EAGLE-1's two terms over the unmasked positions: smooth-L1 of predicted against true next features, and the
-    cross-entropy of the draft logits against the target's next-token distribution on the draft vocabulary.
-    -> (regression, cross-entropy, how often the head's top token is the target's)."""
-    tokens, feats, targets, mask, positions = batch
-    B, L = tokens.shape
-    if noise: feats = feats + (torch.rand(feats.shape, generator=generator) - 0.5) * 2 * noise
-    g = head(tokens.view(-1), feats.view(B * L, -1), positions.view(-1), BatchedCausal(B, L)).view(B, L, -1)
-    reg = F.smooth_l1_loss(g[mask], targets[mask])
-    with torch.no_grad(): p = F.softmax(head.lm_head(targets[mask]), -1)  # the draft LM head is the target's rows
-    logq = F.log_softmax(head.draft_logits(g[mask]), -1)
-    return reg, -(p * logq).sum(-1).mean(), (logq.argmax(-1) == p.argmax(-1)).float().mean()
+def self_distill(llm, prompts, max_tokens=128, temperatures=(0.0, 0.7), seed=0, log=None):
+    """The target's own answers to `prompts` (the first half at temperatures[0], the rest at temperatures[-1]), and
+    its features over each prompt + answer. -> [(token ids [T], features [T, hidden], where the answer starts)]."""
+    half, seqs, starts = len(prompts) // 2, [], []
+    for group, temperature in ((prompts[:half], temperatures[0]), (prompts[half:], temperatures[-1])):
+        if not group: continue
+        # each prompt one user turn of the model's chat template, as `generate` makes it for any request
+        outs = llm.generate(group, SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed))
+        seqs += [o.prompt_token_ids + o.token_ids for o in outs]
+        starts += [len(o.prompt_token_ids) for o in outs]
+        if log: log(f"the target wrote {sum(len(o.token_ids) for o in outs)} tokens at temperature {temperature}")
+    features = target_features(llm.model, seqs)
+    return [(torch.tensor(ids), f, a) for ids, f, a in zip(seqs, features, starts)]
+
+def draft_vocabulary(data, size):
+    "The `size` tokens the target writes most often in `data`'s answers, most common first: draft id -> target id."
+    counts = torch.bincount(torch.cat([t[a:] for t, _, a in data]), minlength=size)
+    return counts.argsort(descending=True, stable=True)[:size]
+
+# %% ../nbs/10b_eagle.ipynb #e0e2
+class UnrolledCausal:
+    """Training's attention for a head unrolled over its own predictions (EAGLE-3's "training-time test"): B windows
+    of L rows, packed as [B * L] rows per step. Step 1 is causal within each window. Step s's row t stands for guess s
+    made after position t: it sees step 1's rows 0..t and its own earlier steps' rows at t, the keys guess s sees at
+    run time (the head's entries over the target's features, then the guesses before it)."""
+    def __init__(self, batch, length): self.B, self.L, self.kv = batch, length, []
+    def __call__(self, layer, q, k, v, **kw):
+        B, L = self.B, self.L
+        q, k, v = (x.view(B, L, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
+        self.kv.append((k, v))  # one decoder layer: one call per step
+        if len(self.kv) == 1: o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            keys, values = (torch.cat(x, 2) for x in zip(*self.kv))
+            causal, own = torch.ones(L, L, dtype=torch.bool).tril(), torch.eye(L, dtype=torch.bool)
+            mask = torch.cat([causal] + [own] * (len(self.kv) - 1), 1)
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        return o.transpose(1, 2).reshape(B * L, o.shape[1], o.shape[3])
+
+def make_batch(data, rows, length, ahead, rng):
+    """`rows` windows of `length` head positions, plus the `ahead` tokens after them, from random sequences of `data`,
+    each starting at most a quarter window before its answer; right-padded. Head position t reads x[t+1] and f[t]; only
+    positions from the answer's start - 1 on are scored: the head guesses answers, never prompts.
+    -> tokens, features, valid, each window's first position, each window's first scored row."""
+    h, L = data[0][1].shape[1], length + ahead
+    tokens, valid, feats = torch.zeros(rows, L, dtype=torch.long), torch.zeros(rows, L, dtype=torch.bool), \
+        torch.zeros(rows, L, h)
+    starts, scored = torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long)
+    for b in range(rows):
+        ids, f, answer = data[rng.randrange(len(data))]
+        lo = max(0, answer - 1 - length // 4)
+        start = rng.randrange(lo, max(lo, len(ids) - L) + 1)
+        m = min(L, len(ids) - start)
+        tokens[b, :m], feats[b, :m], valid[b, :m] = ids[start:start + m], f[start:start + m], True
+        starts[b], scored[b] = start, max(0, answer - 1 - start)
+    return tokens, feats, valid, starts, scored
+
+def unroll_head(head, tokens, feats, starts, ahead, noise=0.0, generator=None):
+    """The head run `ahead` steps over windows (`make_batch`'s tokens [B, L + ahead], features, first positions), each
+    step on the previous step's predicted features (step 1: the target's, with uniform noise of ±`noise`): step s at
+    row t reads x[t+s] at position t + s - 1. -> the predicted features of each step, [B, L, hidden] each."""
+    B, L = tokens.shape[0], tokens.shape[1] - ahead
+    t, attention, x, out = torch.arange(L), UnrolledCausal(B, L), feats[:, :L], []
+    if noise: x = x + (torch.rand(x.shape, generator=generator) - 0.5) * 2 * noise
+    for s in range(1, ahead + 1):
+        positions = (starts[:, None] + t + s - 1).view(-1)
+        x = head(tokens[:, s:s + L].reshape(-1), x.reshape(B * L, -1), positions, attention).view(B, L, -1)
+        out.append(x)
+    return out
+
+def head_losses(head, batch, ahead=1, noise=0.0, generator=None):
+    """`unroll_head`'s steps scored with EAGLE-1's two terms: step s at row t against f[t+s], a smooth-L1 of the
+    predicted feature, and the cross-entropy of the draft logits against the target's next-token distribution on the
+    draft vocabulary. -> per step: (regression, cross-entropy, how often the head's top token is the target's)."""
+    tokens, feats, valid, starts, scored = batch
+    L, out = tokens.shape[1] - ahead, []
+    t = torch.arange(L)
+    for s, g in enumerate(unroll_head(head, tokens, feats, starts, ahead, noise, generator), 1):
+        mask = valid[:, s:s + L] & (t >= scored[:, None])
+        target = feats[:, s:s + L][mask]
+        with torch.no_grad(): p = F.softmax(head.lm_head(target), -1)  # the draft LM head is the target's rows
+        logq = F.log_softmax(head.draft_logits(g[mask]), -1)
+        agree = (logq.argmax(-1) == p.argmax(-1)).float().mean()
+        out.append((F.smooth_l1_loss(g[mask], target), -(p * logq).sum(-1).mean(), agree))
+    return out
 
 def fmt_time(seconds): return f"{int(seconds) // 60}:{int(seconds) % 60:02d}"
 
-def train_head(head, data, steps=800, rows=8, length=192, lr=1e-3, ce_weight=0.1, noise=0.05, seed=0, held_out=None,
-               eval_every=20, log=None):
-    """AdamW on the head's fc and decoder layer (the draft LM head stays fixed), warm-up then cosine decay; `log` gets
-    a progress line with a time estimate every `eval_every` steps. -> the learning curve:
-    [{step, seconds, loss, reg, ce, agree, held_out_agree}] (means since the previous point)."""
+def train_head(head, data, steps=800, rows=8, length=192, ahead=2, lr=1e-3, ce_weight=0.1, noise=0.05, seed=0,
+               held_out=None, eval_every=20, log=None):
+    """AdamW on the head's fc and decoder layer (the draft LM head stays fixed), warm-up then cosine decay; the loss
+    sums `head_losses`' steps, step s weighted 0.8 ** (s - 1); `log` gets a progress line with a time estimate every
+    `eval_every` steps. -> the learning curve: [{step, seconds, loss, reg, ce, agree, held_out_agree}] (means since
+    the previous point; agree: step 1's; held_out_agree: one per step)."""
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     params = [p for n, p in head.named_parameters() if not n.startswith("lm_head")]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
     warm = max(1, steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
-    held = None if not held_out else make_batch(held_out, 4 * rows, length, random.Random(seed + 1))
+    held = None if not held_out else make_batch(held_out, 4 * rows, length, ahead, random.Random(seed + 1))
     curve, t0, since = [], time.perf_counter(), []
     for step in range(1, steps + 1):
-        reg, ce, agree = head_losses(head, make_batch(data, rows, length, rng), noise, gen)
+        terms = head_losses(head, make_batch(data, rows, length, ahead, rng), ahead, noise, gen)
+        reg = sum(r * 0.8 ** i for i, (r, _, _) in enumerate(terms))
+        ce = sum(c * 0.8 ** i for i, (_, c, _) in enumerate(terms))
         loss = reg + ce_weight * ce
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
         schedule.step()
-        since.append((loss.item(), reg.item(), ce.item(), agree.item()))
+        since.append((loss.item(), reg.item(), ce.item(), terms[0][2].item()))
         if step % eval_every and step != steps: continue
         point = dict(step=step, seconds=round(time.perf_counter() - t0, 1),
                      **{k: round(float(np.mean(v)), 4) for k, v in zip(("loss", "reg", "ce", "agree"), zip(*since))})
         if held is not None:
-            with torch.no_grad(): point["held_out_agree"] = round(head_losses(head, held)[2].item(), 4)
+            with torch.no_grad(): point["held_out_agree"] = [round(a.item(), 4) for *_, a in
+                                                             head_losses(head, held, ahead)]
         curve.append(point)
         since = []
         if log:
             done, elapsed = step / steps, time.perf_counter() - t0
+            held_line = "  held-out " + ", ".join(f"{a:.2f}" for a in point["held_out_agree"]) if held else ""
             log(f"[{'#' * int(30 * done):.<30}] step {step}/{steps}  loss {point['loss']:.3f}  agree "
-                f"{point['agree']:.2f}{'  held-out ' + format(point['held_out_agree'], '.2f') if held else ''}  "
-                f"{fmt_time(elapsed)} elapsed, about {fmt_time(elapsed / done - elapsed)} left")
+                f"{point['agree']:.2f}{held_line}  {fmt_time(elapsed)} elapsed, "
+                f"about {fmt_time(elapsed / done - elapsed)} left")
     return curve
 
 # %% ../nbs/10b_eagle.ipynb #e0f2
-SCHEDULES = {  # prompts, answer tokens, draft vocabulary, training steps, windows per step, window length
-    "default": dict(prompts=384, max_tokens=128, draft_vocab=4096, steps=800, rows=8, length=192),
-    "long": dict(prompts=1024, max_tokens=192, draft_vocab=8192, steps=3000, rows=8, length=256),
-    "tiny": dict(prompts=4, max_tokens=16, draft_vocab=512, steps=4, rows=2, length=32),
+# prompts, answer tokens, draft vocabulary, training steps, windows per step, window length, steps unrolled
+SCHEDULES = {
+    "default": dict(prompts=1200, max_tokens=160, draft_vocab=6144, steps=700, rows=8, length=192, ahead=2),
+    "long": dict(prompts=3200, max_tokens=192, draft_vocab=8192, steps=2400, rows=8, length=256, ahead=3),
+    "tiny": dict(prompts=4, max_tokens=16, draft_vocab=512, steps=4, rows=2, length=32, ahead=2),
 }
 
 def default_head_dir(model_folder=None):
@@ -257,28 +321,30 @@ def load_head(folder, target):
 
 def train_eagle(src=None, dst=None, schedule="default", seed=0, log=None):
     """Build the EAGLE head of the model in `src` (default: the default model) into `dst` (default: `default_head_dir`):
-    self-distilled data from the shipped text, the head trained on it (`SCHEDULES[schedule]`), the folder written with
-    its learning curve. -> the folder."""
+    self-distilled data (the target's answers to chat prompts about words of its vocabulary), the head trained on it
+    (`SCHEDULES[schedule]`), the folder written with its learning curve. -> the folder."""
     if schedule not in SCHEDULES: raise ValueError(f"schedule {schedule!r} is unknown; allowed: {', '.join(SCHEDULES)}")
     s, log, t0 = SCHEDULES[schedule], log or (lambda line: None), time.perf_counter()
     src = check_model_folder(src or default_model_dir())
     dst = Path(dst) if dst else default_head_dir(src)
     llm = LLM(str(src))
     torch.manual_seed(seed)
-    data = self_distill(llm, chat_prompts(training_text(), s["prompts"], seed), s["max_tokens"], seed=seed, log=log)
+    prompts = chat_prompts(topic_words(llm.tokenizer), s["prompts"], seed)
+    data = self_distill(llm, prompts, s["max_tokens"], seed=seed, log=log)
     n_held = max(1, len(data) // 10)
     train, held = data[n_held:], data[:n_held]
-    log(f"{sum(len(t) for t, _ in data)} positions of self-distilled data in {fmt_time(time.perf_counter() - t0)}")
+    log(f"{sum(len(t) for t, *_ in data)} positions of self-distilled data in {fmt_time(time.perf_counter() - t0)}")
     d2t = draft_vocabulary(train, s["draft_vocab"])
-    coverage = torch.isin(torch.cat([t[1:] for t, _ in held]), d2t).float().mean().item()
+    coverage = torch.isin(torch.cat([t[a:] for t, _, a in held]), d2t).float().mean().item()
     head = EagleHead(head_config(llm.model.cfg), len(d2t)).attach(llm.model)
     with torch.no_grad():
         head.lm_head.weight.copy_(llm.model.lm_head.weight[d2t].float())
         head.d2t.copy_(d2t)
-    curve = train_head(head, train, s["steps"], s["rows"], s["length"], seed=seed, held_out=held,
+    curve = train_head(head, train, s["steps"], s["rows"], s["length"], s["ahead"], seed=seed, held_out=held,
                        eval_every=max(1, s["steps"] // 40), log=log)
-    how = dict(schedule=schedule, **s, seed=seed, loss="smooth_l1(features) + 0.1 * cross_entropy(target probs)",
-               held_out_coverage=round(coverage, 4), train_positions=sum(len(t) - 1 for t, _ in train),
+    how = dict(schedule=schedule, **s, seed=seed, loss="sum over unrolled steps s of 0.8^(s-1) * (smooth_l1(features) + 0.1 * "
+               "cross_entropy(target probs))",
+               held_out_coverage=round(coverage, 4), train_positions=sum(len(t) - a for t, _, a in train),
                minutes=round((time.perf_counter() - t0) / 60, 1), learning_curve=curve)
     return save_head(head, dst, src, {"eagle": how})
 
@@ -286,7 +352,7 @@ def _train_args(p):
     p.add_argument("src", nargs="?", help="the target model's folder (default: the embedded default model)")
     p.add_argument("dst", nargs="?", help="where to write the head (default: SRC-eagle beside it)")
     p.add_argument("--schedule", default="default", choices=list(SCHEDULES),
-                   help="default: about 20-30 min on a 2-core CPU; long: more data and steps; tiny: a smoke test")
+                   help="default: about 30 min on a 2-core CPU; long: more data and steps; tiny: a smoke test")
     p.add_argument("--seed", type=int, default=0)
 
 def run_train_eagle(a):

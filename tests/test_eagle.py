@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest, torch
 
 from minfer.cli import main as cli_main
-from minfer.eagle import EagleHead, head_config, save_head, load_head, train_head, draft_vocabulary, tap_of
+from minfer.eagle import (EagleHead, head_config, save_head, load_head, train_head, draft_vocabulary, tap_of,
+                          target_features, unroll_head)
 from minfer.engine import EngineConfig
 from minfer.llm import LLM
 from minfer.model import NoCache, attend
@@ -48,12 +49,8 @@ def tiny_head(plain, tmp_path_factory):
     torch.manual_seed(0)
     ids = [plain.tokenizer.encode(p) for p in PROMPTS[:4]]
     outs = plain.generate(PROMPTS[:4], SamplingParams(max_tokens=40, ignore_eos=True), raw=True)
-    tap, data = tap_of(plain.model), []
-    with torch.inference_mode():
-        for p, o in zip(ids, outs):
-            seq = torch.tensor(p + o.token_ids)
-            plain.model(seq, torch.arange(len(seq)), NoCache(), logits_rows=torch.tensor([len(seq) - 1]))
-            data.append((seq, tap.features()))
+    seqs = [p + o.token_ids for p, o in zip(ids, outs)]
+    data = [(torch.tensor(s), f, len(p)) for s, f, p in zip(seqs, target_features(plain.model, seqs), ids)]
     head = EagleHead(head_config(plain.model.cfg), 1024).attach(plain.model)
     d2t = draft_vocabulary(data, 1024)
     with torch.no_grad(): head.lm_head.weight.copy_(plain.model.lm_head.weight[d2t]); head.d2t.copy_(d2t)
@@ -157,6 +154,32 @@ def test_head_kv_after_rerun_equals_a_fresh_run(model_dir, plain, tiny_head):
 
 
 # ---- the command and bad input -------------------------------------------------------------------------------------
+def test_batched_features_equal_one_pass_per_sequence(plain):
+    "target_features pads several sequences into one pass: each one's features equal a pass over it alone."
+    seqs = [plain.tokenizer.encode(p) for p in (PROMPTS[0], PROMPTS[1], "hi", PROMPTS[4])]
+    got, tap = target_features(plain.model, seqs, batch=3), tap_of(plain.model)
+    with torch.inference_mode():
+        for s, f in zip(seqs, got):
+            plain.model(torch.tensor(s), torch.arange(len(s)), NoCache(), logits_rows=torch.tensor([len(s) - 1]))
+            torch.testing.assert_close(f, tap.features(), atol=1e-4, rtol=1e-4)
+
+def test_unrolled_training_step_is_the_run_time_guess(plain, tiny_head):
+    """Training's second unrolled step at row t must compute what guess 2 computes at run time: the head over rows
+    0..t (the target's features) and then one more row at position t + 1 reading x[t+2] and the head's own
+    prediction at t, with plain causal attention over those t + 2 rows (00a's `attend`)."""
+    head = load_head(tiny_head, plain.model)
+    ids = torch.tensor(plain.tokenizer.encode(PROMPTS[4]))
+    feats = target_features(plain.model, [ids.tolist()])[0]
+    L = len(ids) - 2
+    tokens, features, starts = ids[None], feats[None], torch.zeros(1, dtype=torch.long)
+    with torch.no_grad():
+        g1, g2 = unroll_head(head, tokens, features, starts, ahead=2)
+        for t in (0, L // 2, L - 1):
+            rows = torch.cat([ids[1:t + 2], ids[t + 2:t + 3]])
+            x = torch.cat([feats[:t + 1], g1[0, t:t + 1]])
+            want = head(rows, x, torch.arange(t + 2), lambda layer, q, k, v, **kw: attend(q, k, v))[-1]
+            torch.testing.assert_close(g2[0, t], want, atol=1e-4, rtol=1e-4)
+
 def test_train_eagle_tiny_writes_a_folder_that_loads(model_dir, plain, tmp_path, capsys):
     out = tmp_path / "head"
     assert cli_main(["train-eagle", str(model_dir), str(out), "--schedule", "tiny"]) in (0, None)
