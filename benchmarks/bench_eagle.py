@@ -71,6 +71,7 @@ def main(argv=None):
     ap.add_argument("--batch1-prompts", type=int, default=4, help="prompts per workload at batch 1 (all 8 at batch 8)")
     ap.add_argument("--trees", action="store_true", help="chains against static and dynamic token trees")
     ap.add_argument("--record", action="store_true")
+    ap.add_argument("--quiet", action="store_true", help="say in the record that nothing else ran beside it")
     a = ap.parse_args(argv)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=0)
     # one model and engine for every configuration (two with --trees); each run switches the engine's speculator,
@@ -130,10 +131,12 @@ def main(argv=None):
     title = "EAGLE chains against token trees" if a.trees else "EAGLE against plain decoding and prompt lookup"
     lines = [f"# {title}, medians of {a.repeats} alternating runs", "",
              f"- date: {datetime.datetime.now():%Y-%m-%d %H:%M}",
-             f"- machine: {machine()}; shared machine: other jobs ran beside this one (1-minute load average at the "
-             f"end: {os.getloadavg()[0]:.1f} on 2 cores)",
+             f"- machine: {machine()}; " + ("quiet: nothing else ran beside it" if a.quiet else
+                                             "shared machine: other jobs ran beside this one") +
+             f" (1-minute load average at the end: {os.getloadavg()[0]:.1f} on 2 cores, its own 2 threads included)",
              f"- command: `python benchmarks/bench_eagle.py --repeats {a.repeats} --max-tokens {a.max_tokens} "
-             f"--temperature {a.temperature}{' --trees' if a.trees else ''}{' --record' if a.record else ''}`",
+             f"--temperature {a.temperature}{' --trees' if a.trees else ''}{' --record' if a.record else ''}"
+             f"{' --quiet' if a.quiet else ''}`",
              f"- model: the default (SmolLM2-135M-Instruct), default switches ({llm.config.kernels} kernels, "
              f"{llm.config.dtype}), temperature {a.temperature}, natural stops, max_tokens={a.max_tokens}, "
              "chat template",
