@@ -586,7 +586,7 @@ CONFIG_RULES.extend([
 
 # %% ../nbs/10b_eagle.ipynb #t446941
 # how often the head's r-th choice is the target's next token, roughly, for the default head on held-out chat (its
-# first guess is kept about a quarter of the time: see Measured): the prior a static tree's shape is cut by
+# first guess is kept about a third of the time: see Measured): the prior a static tree's shape is cut by
 RANK_PRIOR = (0.3, 0.1, 0.05, 0.03)
 TREE_TOP_K, TREE_DEPTH = 4, 6  # a dynamic tree: children tried per expanded node, and nodes expanded per level; levels
 
