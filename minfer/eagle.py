@@ -342,8 +342,8 @@ def train_eagle(src=None, dst=None, schedule="default", seed=0, log=None):
         head.d2t.copy_(d2t)
     curve = train_head(head, train, s["steps"], s["rows"], s["length"], s["ahead"], seed=seed, held_out=held,
                        eval_every=max(1, s["steps"] // 40), log=log)
-    how = dict(schedule=schedule, **s, seed=seed, loss="sum over unrolled steps s of 0.8^(s-1) * (smooth_l1(features) + 0.1 * "
-               "cross_entropy(target probs))",
+    loss = "sum over unrolled steps s of 0.8^(s-1) * (smooth_l1(features) + 0.1 * cross_entropy(target probs))"
+    how = dict(schedule=schedule, **s, seed=seed, loss=loss,
                held_out_coverage=round(coverage, 4), train_positions=sum(len(t) - a for t, _, a in train),
                minutes=round((time.perf_counter() - t0) / 60, 1), learning_curve=curve)
     return save_head(head, dst, src, {"eagle": how})
