@@ -117,10 +117,11 @@ def chat_prompts(words, n, seed=0):
 class BatchedCausal:
     "Attention over B sequences of L rows each, packed as [B * L] rows; causal within each sequence."
     def __init__(self, batch, length): self.B, self.L = batch, length
+    def split(self, x): return x.view(self.B, self.L, *x.shape[1:]).transpose(1, 2)  # [B * L, H, D] -> [B, H, L, D]
+    def join(self, o): return o.transpose(1, 2).reshape(self.B * self.L, o.shape[1], o.shape[3])
     def __call__(self, layer, q, k, v, **kw):
-        q, k, v = (x.view(self.B, self.L, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return o.transpose(1, 2).reshape(self.B * self.L, o.shape[1], o.shape[3])
+        q, k, v = (self.split(x) for x in (q, k, v))
+        return self.join(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
 
 @torch.inference_mode()
 def target_features(model, seqs, batch=16):
@@ -160,23 +161,24 @@ def draft_vocabulary(data, size):
     return counts.argsort(descending=True, stable=True)[:size]
 
 # %% ../nbs/10b_eagle.ipynb #e0e2
-class UnrolledCausal:
+class UnrolledCausal(BatchedCausal):
     """Training's attention for a head unrolled over its own predictions (EAGLE-3's "training-time test"): B windows
     of L rows, packed as [B * L] rows per step. Step 1 is causal within each window. Step s's row t stands for guess s
     made after position t: it sees step 1's rows 0..t and its own earlier steps' rows at t, the keys guess s sees at
     run time (the head's entries over the target's features, then the guesses before it)."""
-    def __init__(self, batch, length): self.B, self.L, self.kv = batch, length, []
+    def __init__(self, batch, length):
+        super().__init__(batch, length)
+        self.kv = []  # each step's keys and values; one decoder layer: one call per step
     def __call__(self, layer, q, k, v, **kw):
-        B, L = self.B, self.L
-        q, k, v = (x.view(B, L, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
-        self.kv.append((k, v))  # one decoder layer: one call per step
-        if len(self.kv) == 1: o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        else:
-            keys, values = (torch.cat(x, 2) for x in zip(*self.kv))
-            causal, own = torch.ones(L, L, dtype=torch.bool).tril(), torch.eye(L, dtype=torch.bool)
-            mask = torch.cat([causal] + [own] * (len(self.kv) - 1), 1)
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-        return o.transpose(1, 2).reshape(B * L, o.shape[1], o.shape[3])
+        if not self.kv:
+            self.kv.append((self.split(k), self.split(v)))
+            return super().__call__(layer, q, k, v)
+        self.kv.append((self.split(k), self.split(v)))
+        keys, values = (torch.cat(x, 2) for x in zip(*self.kv))
+        L = self.L
+        causal, own = torch.ones(L, L, dtype=torch.bool).tril(), torch.eye(L, dtype=torch.bool)
+        mask = torch.cat([causal] + [own] * (len(self.kv) - 1), 1)
+        return self.join(F.scaled_dot_product_attention(self.split(q), keys, values, attn_mask=mask, enable_gqa=True))
 
 def make_batch(data, rows, length, ahead, rng):
     """`rows` windows of `length` head positions, plus the `ahead` tokens after them, from random sequences of `data`,
