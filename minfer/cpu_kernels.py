@@ -7,7 +7,7 @@ Docs: https://minfer.github.io/minfer/cpu_kernels.html.md"""
 # %% auto #0
 __all__ = ['CPU_KERNELS_SOURCE', 'CXX_FLAGS', 'FUSED_MAX_ROWS', 'cxx_compiler', 'build_cpu_kernels', 'load_kernels',
            'cpu_kernels', 'cpu_kernels_available', 'rms_norm', 'rope_', 'silu_mul', 'FusedRMSNorm', 'FusedAttention',
-           'FusedMLP', 'FusedDecoderLayer', 'can_fuse', 'fuse_cpu_ops', 'CpuAttention']
+           'FusedMLP', 'FusedDecoderLayer', 'can_fuse', 'fuse_cpu_ops', 'decode_tables', 'CpuAttention']
 
 # %% ../nbs/05b_cpu_kernels.ipynb #ae04919c
 import ctypes, functools, hashlib, os, platform, shutil, subprocess
@@ -321,9 +321,23 @@ def fuse_cpu_ops(model):
     return model
 
 # %% ../nbs/05b_cpu_kernels.ipynb #9e898401
+def decode_tables(meta, block_size):
+    """What `paged_decode` reads for `meta`'s decode rows: (block tables int32 [rows, width], key counts int32 [rows],
+    block size). Where a row has its own key list (`meta.key_slots`: a token tree's node sees the sequence and its
+    ancestors only, chapter 10b) every row is read through blocks of one slot: the pool viewed flat, so a row's table
+    is the list of its keys' slots, and the kernel attends to exactly those. Otherwise the tables as they are."""
+    if not meta.key_slots: return meta.block_tables, meta.seq_lens, block_size
+    width, tables = int(meta.seq_lens.max()), meta.block_tables.long()
+    position = torch.arange(width, device=tables.device)
+    block = (position // block_size).clamp(max=tables.shape[1] - 1)  # past a row's length: padding, never read
+    flat = tables[:, block] * block_size + position % block_size
+    for row, slots in meta.key_slots.items(): flat[row, :len(slots)] = slots
+    return flat.to(torch.int32), meta.seq_lens, 1
+
 class CpuAttention(PagedAttention):
     """`PagedAttention` whose decode steps are one `paged_decode` call per layer: write the new K/V, attend over each
-    sequence's blocks in place, in fp32. Prefill chunks and mixed steps use chapter 03's path."""
+    sequence's blocks in place, in fp32 (a row with its own key list, a token tree's node, through `decode_tables`).
+    Prefill chunks and mixed steps use chapter 03's path."""
     devices, dtypes = ("cpu",), ("float32", "bfloat16")  # and a C++ compiler (`can_fuse`)
     kv_dtypes = ("auto",)  # a pool of the model's dtype (chapter 09 adds its int8 pool)
     def __call__(self, layer, q, k, v, **window_softcap):
@@ -336,10 +350,11 @@ class CpuAttention(PagedAttention):
             return self(layer, *(t.to(k_pool.dtype) for t in (q, k, v))).to(q.dtype)
         if not decode or not rows_ok or q.dtype != k_pool.dtype: return super().__call__(layer, q, k, v)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        tables, lens, block_size = decode_tables(m, k_pool.shape[1])
         _kernel("paged_decode", k_pool, v_pool, out)(
             q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), k_pool.data_ptr(), v_pool.data_ptr(),
-            m.slot_mapping.data_ptr(), m.block_tables.data_ptr(), m.block_tables.shape[1], m.seq_lens.data_ptr(),
-            k_pool.shape[1], out.data_ptr(), q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[2] ** -0.5)
+            m.slot_mapping.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(), block_size,
+            out.data_ptr(), q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[2] ** -0.5)
         return out
 
 ATTENTION_BACKENDS["cpu"] = CpuAttention  # attention="cpu" (chapter 03's registry)

@@ -6,7 +6,8 @@ Docs: https://minfer.github.io/minfer/cpu_step.html.md"""
 
 # %% auto #0
 __all__ = ['CPU_STEP_SOURCE', 'STEP_CXX_FLAGS', 'STEP_MAX_ROWS', 'STEP_RUNS', 'openmp_runtimes', 'cpu_step_kernels',
-           'cpu_step_available', 'matvec', 'StepLlama', 'can_step', 'fuse_decode_step']
+           'cpu_step_available', 'matvec', 'StepLlama', 'run_decode_step', 'can_step', 'fuse_decode_step',
+           'step_pointers']
 
 # %% ../nbs/05c_cpu_step.ipynb #ef314a1d
 import ctypes, functools
@@ -14,7 +15,8 @@ from pathlib import Path
 import torch
 from .model import Llama, check_behaviours, sequence_lengths
 from .paged import PagedAttention
-from .cpu_kernels import CPU_KERNELS_SOURCE, CXX_FLAGS, FUSED_MAX_ROWS, build_cpu_kernels, load_kernels, can_fuse, _kernel
+from .cpu_kernels import (
+    CPU_KERNELS_SOURCE, CXX_FLAGS, FUSED_MAX_ROWS, build_cpu_kernels, load_kernels, can_fuse, decode_tables, _kernel)
 
 # %% ../nbs/05c_cpu_step.ipynb #39477c64
 CPU_STEP_SOURCE = CPU_KERNELS_SOURCE + r"""
@@ -86,7 +88,8 @@ template <typename T> struct DenseWeights {
 // kernels between the matvecs, without returning to Python in between. x [rows, hidden]: the new tokens' embeddings,
 // overwritten (it is the residual stream); cos, sin [rows, d]; per layer `weights` holds 9 pointers (input norm, qkv,
 // o, post-attention norm, gate_up, down, then chapter 12a's q/k/v bias, q norm and k norm, each null where the model
-// has none), then the final norm and the LM head; k_cache, v_cache: chapter 03's pools,
+// has none), then the final norm (null: none, chapter 10b's EAGLE head) and the LM head; k_cache, v_cache: chapter
+// 03's pools,
 // layer after layer, layer_stride elements apart; logits [rows, vocab] in fp32.
 // dims: hidden, intermediate, n_q, n_kv, head_dim, layers, vocab, group (a quantized format's). The projections are
 // read as `Weights` says (here DenseWeights); the norms and the LM head are always plain. timings (may be null):
@@ -136,7 +139,9 @@ void decode_step(T* x, const T* cos, const T* sin, const void* const* weights, T
     Weights::matvec(weights[p + 5], act.data(), out.data(), rows, inter, hidden, group);
     tick(0);
   }
-  rms_norm<T>(x, out.data(), W(9 * layers), h.data(), rows, hidden, eps);
+  if (weights[9 * layers]) rms_norm<T>(x, out.data(), W(9 * layers), h.data(), rows, hidden, eps);
+  else  // no final norm: the LM head reads the residual stream itself
+    for (int64_t i = 0; i < rows * hidden; ++i) h[i] = x[i] = Num<T>::store(Num<T>::load(x[i]) + Num<T>::load(out[i]));
   tick(2);
   matvec<T>(W(9 * layers + 1), h.data(), head.data(), rows, hidden, vocab);
   for (int64_t i = 0; i < rows * vocab; ++i) logits[i] = Num<T>::load(head[i]);  // the model's `.float()`
@@ -219,20 +224,28 @@ class StepLlama(Llama):
 
     def forward(self, tokens, positions, attention, logits_rows=None):
         if not self.one_call(tokens, attention, logits_rows): return super().forward(tokens, positions, attention, logits_rows)
-        if self.timings is not None and (self.timings.dtype != torch.float64 or self.timings.shape != (5,) or not self.timings.is_contiguous()):
-            raise ValueError(f"StepLlama.timings must be a contiguous float64 tensor of 5, got {self.timings.dtype} {tuple(self.timings.shape)}")
-        cfg, m, (k, v) = self.cfg, attention.meta, (attention.cache.k, attention.cache.v)
         x = self.embed_tokens(tokens)  # a new tensor: the residual stream, updated in place by the call
         cos, sin = self.rope.tables(positions, x.dtype, sequence_lengths(attention) if self.rope.switch_at else None)
-        logits = torch.empty(len(tokens), cfg.vocab_size)
-        dims = (_I * 8)(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                        cfg.head_dim, cfg.num_hidden_layers, cfg.vocab_size, self.group_size)
-        name, table = self.step_kernel
-        _kernel(name, x, cos, sin, k, v, table=table)(
-            x.data_ptr(), cos.data_ptr(), sin.data_ptr(), self.weight_pointers, k.data_ptr(), v.data_ptr(), k.stride(0), m.slot_mapping.data_ptr(),
-            m.block_tables.data_ptr(), m.block_tables.shape[1], m.seq_lens.data_ptr(), k.shape[2], logits.data_ptr(), len(tokens), dims,
-            self.norm.eps, None if self.timings is None else self.timings.data_ptr())
-        return logits
+        return run_decode_step(self.step_kernel, self.weight_pointers, self.cfg, x, cos, sin, attention,
+                               self.group_size, self.timings)
+
+def run_decode_step(step_kernel, pointers, cfg, x, cos, sin, attention, group_size=0, timings=None):
+    """One `decode_step` call: x [rows, hidden] (the rows' inputs, then their last residual stream: updated in place),
+    cos, sin [rows, head dim]; `pointers` from `step_pointers`, `cfg` the layers' shape (its `vocab_size`: the LM
+    head's rows); `attention` a `PagedAttention` whose meta holds one decode row per entry. -> logits [rows, vocab]"""
+    if timings is not None and (timings.dtype != torch.float64 or timings.shape != (5,) or not timings.is_contiguous()):
+        raise ValueError(f"StepLlama.timings must be a contiguous float64 tensor of 5, got {timings.dtype} {tuple(timings.shape)}")
+    m, (k, v) = attention.meta, (attention.cache.k, attention.cache.v)
+    tables, lens, block_size = decode_tables(m, k.shape[2])  # a token tree's rows: through one-slot blocks
+    logits = torch.empty(len(x), cfg.vocab_size)
+    dims = (_I * 8)(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                    cfg.head_dim, cfg.num_hidden_layers, cfg.vocab_size, group_size)
+    name, table = step_kernel
+    _kernel(name, x, cos, sin, k, v, table=table)(
+        x.data_ptr(), cos.data_ptr(), sin.data_ptr(), pointers, k.data_ptr(), v.data_ptr(), k.stride(0),
+        m.slot_mapping.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(), block_size, logits.data_ptr(),
+        len(x), dims, cfg.rms_norm_eps, None if timings is None else timings.data_ptr())
+    return logits
 
 def _step_extras(layer):
     "A layer's q/k/v bias, q norm and k norm weights (None where it has none): the step's 7th to 9th pointers."
@@ -270,10 +283,16 @@ def fuse_decode_step(model):
     model.weight_buffers = [w for w, _, _ in formats] if formats else None  # kept alive: the call reads them by address
     # the weights' addresses, in decode_step's order, gathered once: ~1 ms of Python attribute lookups if done every step
     # (replace a weight after this and call fuse_decode_step again)
-    addr = iter([w.data_ptr() for w in model.weight_buffers] if formats else [p.weight.data_ptr() for p in projections])
-    ptr = lambda t: 0 if t is None else t.data_ptr()  # 0: a null pointer, where the model has no such tensor
-    weights = [p for l in model.layers for p in (l.input_layernorm.weight.data_ptr(), next(addr), next(addr),
-                                                 l.post_attention_layernorm.weight.data_ptr(), next(addr), next(addr),
-                                                 *map(ptr, _step_extras(l)))]
-    model.weight_pointers = (_P * (len(weights) + 2))(*weights, model.norm.weight.data_ptr(), model.lm_head.weight.data_ptr())
+    addr = [w.data_ptr() for w in model.weight_buffers] if formats else [p.weight.data_ptr() for p in projections]
+    model.weight_pointers = step_pointers(model.layers, addr, model.norm.weight, model.lm_head.weight)
     return model
+
+def step_pointers(layers, projections, norm, lm_head):
+    """`decode_step`'s weight table: per layer 9 addresses (input norm, qkv, o, post-attention norm, gate_up, down,
+    q/k/v bias, q norm, k norm; 0 where it has none), then the final norm's (`norm` None: 0, no final norm) and the LM
+    head's. projections: the addresses of every layer's four projections, in that order, layer after layer."""
+    addr, ptr = iter(projections), lambda t: 0 if t is None else t.data_ptr()  # 0: a null pointer
+    weights = [p for l in layers for p in (l.input_layernorm.weight.data_ptr(), next(addr), next(addr),
+                                           l.post_attention_layernorm.weight.data_ptr(), next(addr), next(addr),
+                                           *map(ptr, _step_extras(l)))]
+    return (_P * (len(weights) + 2))(*weights, ptr(norm), lm_head.data_ptr())

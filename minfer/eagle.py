@@ -31,6 +31,7 @@ from .engine import SPECULATORS, CONFIG_RULES, Rule, root_paths
 from .speculative import Speculator
 from .cli import COMMANDS, Command
 from .llm import LLM
+from .cpu_step import StepLlama, cpu_step_kernels, run_decode_step, step_pointers
 
 # %% ../nbs/10b_eagle.ipynb #e0b3
 def head_config(target_cfg):
@@ -56,9 +57,13 @@ class EagleHead(nn.Module):
         object.__setattr__(self, "embed", target.embed_tokens)
         return self
 
+    def inputs(self, tokens, features):
+        "The layer's input: fc(cat(embed(x[t+1]), f[t])) [T, hidden]."
+        return self.fc(torch.cat([self.embed(tokens).to(features.dtype), features], -1))
+
     def forward(self, tokens, features, positions, attention):
         "tokens [T] (x[t+1]), features [T, hidden] (f[t]), positions [T] (t) -> predicted features g [T, hidden]."
-        x = self.fc(torch.cat([self.embed(tokens).to(features.dtype), features], -1))
+        x = self.inputs(tokens, features)
         cos, sin = self.rope.tables(positions, x.dtype)
         return self.layer(x, cos, sin, attention)
 
@@ -384,6 +389,14 @@ class EagleProposer:
         self.attn = ATTENTION_BACKENDS["torch"](self.cache)
         self.states = {}  # sequence id -> HeadState
         self._watch(engine.runner)
+        # with the target on the one-call step (kernels='step', chapter 05c) the head's layer and reduced LM head are one
+        # `decode_step` call as well: ~30 PyTorch ops of Python cost more than the head's 31 MB take to read
+        self.pointers = None
+        if isinstance(target, StepLlama) and self.head.fc.weight.dtype == torch.float32:
+            a, mlp = self.head.layer.self_attn, self.head.layer.mlp
+            self.pointers = step_pointers([self.head.layer], [w.weight.data_ptr() for w in (a.qkv_proj, a.o_proj,
+                                          mlp.gate_up_proj, mlp.down_proj)], None, self.head.lm_head.weight)
+            self.step_cfg = replace(self.head.cfg, vocab_size=self.head.lm_head.out_features)
 
     def _state(self, seq):
         if seq.id not in self.states: self.states[seq.id] = HeadState(seq, self.cache.allocator)
@@ -408,14 +421,29 @@ class EagleProposer:
             return out
         runner.run = run_keeping_features
 
+    def _head(self, entries, tokens, features, positions, keys=None):
+        """One pass of the head over one-row entries [(table, position, 1)] (`keys`: each row's own key positions, a
+        tree node's) -> (predicted features g, draft logits in fp32), a row each. A run of positions of one sequence
+        is that many entries: every row's K/V is written before any row attends, so each sees those before it."""
+        self.attn.meta = build_batch_meta(entries, self.cache.block_size, self.head.fc.weight.device, keys)
+        if self.pointers is None:
+            g = self.head(tokens, features, positions, self.attn)
+            return g, self.head.draft_logits(g).float()
+        x = self.head.inputs(tokens, features)  # the call turns it into g, in place
+        cos, sin = self.head.rope.tables(positions, x.dtype)
+        logits = run_decode_step(("decode_step", cpu_step_kernels()), self.pointers, self.step_cfg, x, cos, sin,
+                                 self.attn)
+        return x, logits
+
     def _forward(self, work):
-        "work: [(table, start, tokens, features)] -> the head's predicted feature for each one's last row."
+        "work: [(table, start, tokens, features)] -> (g, draft logits) of each one's last row."
         dev = self.head.fc.weight.device
-        self.attn.meta = build_batch_meta([(t, s, len(x)) for t, s, x, _ in work], self.cache.block_size, dev)
+        entries = [(t, s + i, 1) for t, s, x, _ in work for i in range(len(x))]
         tokens = torch.tensor([i for _, _, x, _ in work for i in x], device=dev)
-        positions = torch.cat([torch.arange(s, s + len(x), device=dev) for _, s, x, _ in work])
+        positions = torch.tensor([s for _, s, _ in entries], device=dev)
         last = torch.tensor(np.cumsum([len(x) for _, _, x, _ in work]) - 1, device=dev)
-        return self.head(tokens, torch.cat([f for *_, f in work]), positions, self.attn)[last]
+        g, logits = self._head(entries, tokens, torch.cat([f for *_, f in work]), positions)
+        return g[last], logits[last]
 
     def _catch_up(self, seq, k):
         """The re-run for `seq`: (table, first position, tokens, features) from the first head entry without the
@@ -446,8 +474,8 @@ class EagleProposer:
             jobs.append((s, k, got[0]))
             work.append(got)
         while jobs:
-            g = self._forward(work)
-            guesses = self.head.d2t[self.head.draft_logits(g).argmax(-1)].tolist()
+            g, logits = self._forward(work)
+            guesses = self.head.d2t[logits.argmax(-1)].tolist()
             for (s, _, _), d in zip(jobs, guesses): s.draft_ids.append(d)
             going = [i for i, (s, k, _) in enumerate(jobs) if len(s.draft_ids) < k]
             # guess j + 1 reads guess j at position n + j - 1 and the head's own prediction there
@@ -574,12 +602,10 @@ EagleSpeculator.__init__, EagleSpeculator.verify, EagleSpeculator.grows_trees = 
 
 def _tree(c): return c.speculative is not None and c.speculative.tree is not None
 CONFIG_RULES.extend([
-    Rule(("speculative", "kernels"), lambda c: _tree(c) and c.kernels == "step",
-         lambda c: f"speculative tree={c.speculative.tree!r} verifies rows that see only their own ancestors; "
-                   "kernels='step' attends over whole block tables in its one C++ call: use kernels='cpu' or 'torch'"),
-    Rule(("speculative", "attention"), lambda c: _tree(c) and c.attention != "torch",
-         lambda c: f"speculative tree={c.speculative.tree!r} gives each row its own list of keys, which chapter 03's "
-                   f"attention='torch' reads; attention={c.attention!r} reads whole block tables"),
+    Rule(("speculative", "attention"), lambda c: _tree(c) and c.attention not in ("torch", "cpu"),
+         lambda c: f"speculative tree={c.speculative.tree!r} gives each row its own list of keys, which "
+                   f"attention='torch' and 'cpu' read (and kernels='step'); attention={c.attention!r} reads whole "
+                   "block tables"),
     Rule(("speculative", "kv_dtype", "dtype"), lambda c: _tree(c) and c.kv_dtype in KV_FORMATS,
 
          lambda c: f"speculative tree={c.speculative.tree!r} moves kept nodes' K/V between slots as stored in the "
@@ -674,12 +700,11 @@ def _run_nodes(self, rows):
         t.slot[i] = t.n + len(t.slot)
         entries.append((t.table, t.slot[i], 1))
         keys.append(list(range(t.n)) + [t.slot[a] for a in t.path(i)])
-    self.attn.meta = build_batch_meta(entries, self.cache.block_size, dev, keys)
     tokens = self.head.d2t[torch.tensor([t.nodes[i][1] for t, i in rows], dtype=torch.long, device=dev)]
     features = torch.stack([t.g[t.nodes[i][0]] for t, i in rows])
     positions = torch.tensor([t.n - 1 + t.nodes[i][3] for t, i in rows], device=dev)
-    g = self.head(tokens, features, positions, self.attn)
-    logp = F.log_softmax(self.head.draft_logits(g).float(), -1)
+    g, logits = self._head(entries, tokens, features, positions, keys)
+    logp = F.log_softmax(logits, -1)
     for r, (t, i) in enumerate(rows): t.g[i], t.logp[i] = g[r], logp[r]
 
 @torch.inference_mode()
@@ -694,8 +719,8 @@ def propose_tree(self, seqs, ks):
         trees.append(DraftTree(s, k, self.config.tree, got[0]))
         work.append(got)
     if not trees: return
-    g = self._forward(work)
-    logp = F.log_softmax(self.head.draft_logits(g).float(), -1)
+    g, logits = self._forward(work)
+    logp = F.log_softmax(logits, -1)
     for r, t in enumerate(trees): t.g[-1], t.logp[-1] = g[r], logp[r]
     for depth in range(1, max(t.levels for t in trees) + 1):
         for t in trees:

@@ -115,8 +115,9 @@ def test_fused_model_bf16_matches_unfused(model_dir, tokenizer, rows):
 def test_fuse_refuses_what_it_cannot_run(model_dir):
     with pytest.raises(ValueError, match="float32 or bfloat16"): fuse_cpu_ops(load_model(model_dir, "float16"))
 
-def decode_step(cfg, cls, dtype, lens, bs, seed):
-    "One decode step (each sequence's last token new) of sequences scattered over a shuffled pool: (output, pool k, pool v)."
+def decode_step(cfg, cls, dtype, lens, bs, seed, keys=None):
+    """One decode step (each sequence's last token new) of sequences scattered over a shuffled pool: (output, pool k,
+    pool v). keys: per sequence None or the positions its row attends to (`build_batch_meta`'s)."""
     g = torch.Generator().manual_seed(seed)
     nb = sum(-(-n // bs) for n in lens) + 3
     cache = PagedKVCache(cfg, nb, bs, dtype)
@@ -126,7 +127,7 @@ def decode_step(cfg, cls, dtype, lens, bs, seed):
     cache.k.copy_(torch.randn(cache.k.shape, generator=g)); cache.v.copy_(torch.randn(cache.v.shape, generator=g))
     nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
     qkv = torch.randn(len(lens), nq + 2 * nkv, cfg.head_dim, generator=g).to(dtype)
-    attn = cls(cache); attn.meta = build_batch_meta([(t, n - 1, 1) for t, n in zip(tables, lens)], bs)
+    attn = cls(cache); attn.meta = build_batch_meta([(t, n - 1, 1) for t, n in zip(tables, lens)], bs, keys=keys)
     out = attn(5, qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:])
     return out, cache.k, cache.v
 
@@ -142,6 +143,18 @@ def test_cpu_attention_matches_paged_attention(cfg, lens, bs, dtype):
         exact, _, _ = decode_step(cfg, PagedAttention, torch.float32, lens, bs, seed=len(lens))
         tol = exact.abs().amax(-1, keepdim=True) * 2**-7 + 0.02  # + the inputs' own bf16 rounding, drawn in fp32 above
         assert ((got.float() - exact).abs() <= tol).all() and ((got.float() - want.float()).abs() <= tol).all()
+
+def test_cpu_attention_reads_explicit_key_lists(cfg):
+    """Rows with their own key lists (a token tree's nodes, chapter 10b: through one-slot blocks) beside rows that read
+    their whole table: chapter 03's gather over the same lists is the reference."""
+    lens, bs = (1, 17, 40, 5, 33), 4
+    keys = [None, [0, 3, 4, 9, 16], list(range(0, 40, 3)) + [39], None, list(range(30)) + [32]]
+    want, k_want, v_want = decode_step(cfg, PagedAttention, torch.float32, lens, bs, seed=7, keys=keys)
+    got, k_got, v_got = decode_step(cfg, CpuAttention, torch.float32, lens, bs, seed=7, keys=keys)
+    assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
+    assert torch.allclose(got, want, atol=2e-6), (got - want).abs().max()
+    whole, _, _ = decode_step(cfg, PagedAttention, torch.float32, lens, bs, seed=7)
+    assert (got[1] - whole[1]).abs().max() > 1e-3 and torch.equal(got[0], whole[0])  # the lists changed what was read
 
 def test_cpu_attention_leaves_prefill_to_chapter_03(cfg):
     "A step with a prefill chunk goes through PagedAttention's path: the same output exactly."

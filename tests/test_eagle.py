@@ -16,6 +16,7 @@ from minfer.eagle import (EagleHead, head_config, save_head, load_head, train_he
 from minfer.engine import EngineConfig
 from minfer.llm import LLM
 from minfer.model import NoCache, attend
+from minfer.paged import BlockTable
 from minfer.sequence import Sequence, SamplingParams
 from test_speculative import REPEATS, tv
 from test_engine import TEXTS
@@ -151,6 +152,29 @@ def test_head_kv_after_rerun_equals_a_fresh_run(model_dir, plain, tiny_head):
     k_pool, v_pool = (x[0].reshape(-1, *x.shape[3:]) for x in (proposer.cache.k, proposer.cache.v))
     torch.testing.assert_close(k_pool[slots], keep.k, atol=2e-3, rtol=1e-3)
     torch.testing.assert_close(v_pool[slots], keep.v, atol=2e-3, rtol=1e-3)
+
+
+def test_head_on_the_one_call_step_equals_its_modules(model_dir, plain, tiny_head):
+    """With the target on kernels='step', a head pass is one `decode_step` call (one layer, no final norm, the reduced
+    LM head): its predicted features and draft logits equal the head's PyTorch modules over chapter 03's attention,
+    for runs of positions (the re-run) and for rows with their own key lists (a tree's nodes)."""
+    spec = eagle(model_dir, tiny_head)
+    proposer = spec.engine.runner.speculator.proposer
+    assert proposer.pointers is not None and proposer.step_cfg.vocab_size == proposer.head.lm_head.out_features
+    g = torch.Generator().manual_seed(0)
+    tables = [BlockTable(proposer.cache.allocator) for _ in range(2)]
+    for t in tables: t.append_slots(40)
+    entries = [(tables[0], p, 1) for p in range(23)] + [(tables[1], p, 1) for p in range(9)] + [(tables[1], 30, 1)]
+    keys = [None] * 32 + [[0, 1, 2, 5, 8, 30]]  # a node that sees part of its sequence and itself
+    tokens = torch.randint(0, 2000, (33,), generator=g)
+    features = torch.randn(33, plain.model.cfg.hidden_size, generator=g)
+    positions = torch.tensor([p for _, p, _ in entries[:32]] + [9])
+    with torch.inference_mode():
+        got = proposer._head(entries, tokens, features, positions, keys)
+        proposer.pointers = None  # the modules
+        want = proposer._head(entries, tokens, features, positions, keys)
+    for a, b in zip(got, want): torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    for t in tables: t.free()
 
 
 # ---- the command and bad input -------------------------------------------------------------------------------------

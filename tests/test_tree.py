@@ -32,15 +32,20 @@ def tree_llm(model_dir, head, tree, n=8, **kw):
 
 
 # ---- greedy: identical to plain decoding -------------------------------------------------------------------------
+# the default switches (kernels='step': a tree of up to 7 nodes is one C++ call, wider steps run the layers with
+# attention='cpu'), and chapter 03's PyTorch attention on the layers
+ENGINES = {"step": {}, "layers": dict(kernels="cpu", attention="torch")}
+
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("tree", ["static", "dynamic"])
-def test_greedy_identical_batch_1_and_8(model_dir, plain, tiny_head, tree):
+def test_greedy_identical_batch_1_and_8(model_dir, plain, tiny_head, tree, engine):
     p = SamplingParams(max_tokens=24, ignore_eos=True)
     want = [o.token_ids for o in plain.generate(PROMPTS, p, raw=True)]
-    spec = tree_llm(model_dir, tiny_head, tree)
-    assert (spec.config.kernels, spec.config.attention) == ("cpu", "torch")  # 'auto' around the tree's rules
+    spec = tree_llm(model_dir, tiny_head, tree, n=4, **ENGINES[engine])
+    if engine == "step": assert (spec.config.kernels, spec.config.attention) == ("step", "cpu")
     assert [spec.generate(x, p, raw=True)[0].token_ids for x in PROMPTS[:2]] == want[:2]
     # 8 prompts of 1 to ~40 tokens, 32 tokens a step: prompt chunks and trees share steps
-    mixed = tree_llm(model_dir, tiny_head, tree, max_num_batched_tokens=32)
+    mixed = tree_llm(model_dir, tiny_head, tree, max_num_batched_tokens=32, **ENGINES[engine])
     batched = mixed.generate(PROMPTS, p, raw=True)
     assert [o.token_ids for o in batched] == want
     depths = mixed.engine.runner.speculator.accepted_depths
@@ -60,9 +65,12 @@ def test_greedy_identical_with_prefix_cache_and_blocks_counted(model_dir, plain,
     assert stats["blocks_in_use"] == stats["cached_blocks"] > 0, stats
 
 
-def test_tree_rows_equal_a_plain_forward_of_their_path(model_dir, plain, tiny_head):
-    "Each node's logits row equals the target's forward without a cache over the sequence + its root path (fp32)."
-    spec = tree_llm(model_dir, tiny_head, "dynamic")
+@pytest.mark.parametrize("engine", ENGINES)
+def test_tree_rows_equal_a_plain_forward_of_their_path(model_dir, plain, tiny_head, engine):
+    """Each node's logits row equals the target's forward without a cache over the sequence + its root path (fp32).
+    8 nodes: 9 rows, which the default switches run on the layers with attention='cpu' (a step of 1 + 4 rows is one
+    C++ call: the greedy test above)."""
+    spec = tree_llm(model_dir, tiny_head, "dynamic", **ENGINES[engine])
     sp = spec.engine.runner.speculator
     seen, verify = [], sp.verify
     def keep(seq, logits):
@@ -239,8 +247,7 @@ def test_triton_tree_kernel_matches_the_reference(model_dir, dtype):
 # ---- the switch ------------------------------------------------------------------------------------------------------
 def test_tree_switch_refusals_one_line(model_dir, random_head):
     base = {"method": "eagle", "model": random_head, "tree": "static"}
-    bad = [(dict(speculative=base, kernels="step"), "kernels='step' attends over whole block tables"),
-           (dict(speculative=base, attention="cpu"), "attention='cpu'"),
+    bad = [(dict(speculative=base, kernels="torch", attention="triton"), "attention='triton'"),
            (dict(speculative=base, kv_dtype="int8"), "kv_dtype='int8'"),
            (dict(speculative={**base, "adaptive": True}), "adaptive=True"),
            (dict(speculative={**base, "tree": "bushy"}), "tree='bushy'"),
@@ -249,4 +256,4 @@ def test_tree_switch_refusals_one_line(model_dir, random_head):
         with pytest.raises(ValueError, match=match) as e: EngineConfig(**kw).resolve()
         assert "\n" not in str(e.value) and "auto" not in str(e.value)
     c = EngineConfig(speculative=base).resolve()
-    assert (c.kernels, c.attention, c.speculative.tree) == ("cpu", "torch", "static")
+    assert (c.kernels, c.attention, c.speculative.tree) == ("step", "cpu", "static")
