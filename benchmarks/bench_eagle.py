@@ -5,14 +5,16 @@ configuration in turn within each repeat (A B C ... A B C ...), medians. At temp
 run without speculation. Records tokens per target pass, acceptance per depth (of the guesses made at depth j, the
 fraction the target accepted) and the head's milliseconds per guess (the proposer's time over its guesses).
 
-`--trees`: chains against static and dynamic token trees at equal node budgets (4 and 8 guesses per step). A tree's
-rows attend to their own ancestors, which the one-call C++ step cannot do, so trees run on a second engine with
-kernels='cpu' and attention='torch' (what `LLM(speculative={..., "tree": ...})` resolves to); plain decoding runs on
-both engines, and every speedup is against plain decoding on the default switches. Acceptance per depth for a tree:
+`--trees`: chains against static and dynamic token trees at equal node budgets (4 and 8 guesses per step), all on the
+default switches (a tree's rows read their own key lists in the one-call C++ step, or, past its 8 rows, on the layers
+with attention='cpu'); `--layers` adds a second engine with kernels='cpu' and attention='torch' (chapter 03's
+attention on PyTorch's layers) running plain decoding and the static tree of 4 there; every speedup is against plain
+decoding on the default switches. Acceptance per depth for a tree:
 of the verifies whose tree reached depth j, the fraction that kept a path of j nodes or more; draft ms per step: the
 proposer's time per call. Records benchmarks/eagle-tree-<date>.md and .json.
 
-    python benchmarks/bench_eagle.py [--repeats 2] [--max-tokens 64] [--temperature 0] [--trees] [--record]
+    python benchmarks/bench_eagle.py [--repeats 2] [--max-tokens 64] [--temperature 0] [--trees [--layers]] [--record]
+                                     [--quiet]
 """
 import argparse, datetime, json, os, statistics, sys, time
 from pathlib import Path
@@ -29,11 +31,14 @@ from bench_speculative import workloads
 CONFIGS = {"none": None, "ngram adaptive": {"method": "ngram", "num_speculative_tokens": 8, "adaptive": True},
            **{f"eagle k={k}": {"method": "eagle", "num_speculative_tokens": k} for k in (2, 3, 4)},
            "eagle adaptive": {"method": "eagle", "num_speculative_tokens": 6, "adaptive": True}}
-# --trees: (engine, speculative) per configuration; "layers" is the engine trees need (kernels='cpu', attention='torch')
-TREE_CONFIGS = {"none": ("default", None), "none (layers)": ("layers", None),
+# --trees: (engine, speculative) per configuration; --layers adds LAYERS_CONFIGS on kernels='cpu', attention='torch'
+TREE_CONFIGS = {"none": ("default", None),
                 **{f"chain {n}": ("default", {"method": "eagle", "num_speculative_tokens": n}) for n in (4, 8)},
-                **{f"{t} tree {n}": ("layers", {"method": "eagle", "num_speculative_tokens": n, "tree": t})
+                **{f"{t} tree {n}": ("default", {"method": "eagle", "num_speculative_tokens": n, "tree": t})
                    for n in (4, 8) for t in ("static", "dynamic")}}
+LAYERS_CONFIGS = {"none (layers)": ("layers", None),
+                  "static tree 4 (layers)": ("layers", {"method": "eagle", "num_speculative_tokens": 4,
+                                                        "tree": "static"})}
 
 class Probe:
     "Counts, for one speculator, guesses and acceptances per depth and the proposer's time."
@@ -70,6 +75,7 @@ def main(argv=None):
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--batch1-prompts", type=int, default=4, help="prompts per workload at batch 1 (all 8 at batch 8)")
     ap.add_argument("--trees", action="store_true", help="chains against static and dynamic token trees")
+    ap.add_argument("--layers", action="store_true", help="with --trees: plain and a tree on PyTorch's layers too")
     ap.add_argument("--record", action="store_true")
     ap.add_argument("--quiet", action="store_true", help="say in the record that nothing else ran beside it")
     a = ap.parse_args(argv)
@@ -77,8 +83,10 @@ def main(argv=None):
     # one model and engine for every configuration (two with --trees); each run switches the engine's speculator,
     # what `LLM(speculative=...)` would have built
     llm = LLM()
-    llms = {"default": llm, "layers": LLM(kernels="cpu", attention="torch")} if a.trees else {"default": llm}
-    configs = TREE_CONFIGS if a.trees else {name: ("default", spec) for name, spec in CONFIGS.items()}
+    layers = a.trees and a.layers
+    llms = {"default": llm, **({"layers": LLM(kernels="cpu", attention="torch")} if layers else {})}
+    configs = ({**TREE_CONFIGS, **(LAYERS_CONFIGS if layers else {})} if a.trees
+               else {name: ("default", spec) for name, spec in CONFIGS.items()})
     speculators, probes = {}, {}
     for name, (engine, spec) in configs.items():
         host = llms[engine]
@@ -135,7 +143,8 @@ def main(argv=None):
                                              "shared machine: other jobs ran beside this one") +
              f" (1-minute load average at the end: {os.getloadavg()[0]:.1f} on 2 cores, its own 2 threads included)",
              f"- command: `python benchmarks/bench_eagle.py --repeats {a.repeats} --max-tokens {a.max_tokens} "
-             f"--temperature {a.temperature}{' --trees' if a.trees else ''}{' --record' if a.record else ''}"
+             f"--temperature {a.temperature}{' --trees' if a.trees else ''}{' --layers' if layers else ''}"
+             f"{' --record' if a.record else ''}"
              f"{' --quiet' if a.quiet else ''}`",
              f"- model: the default (SmolLM2-135M-Instruct), default switches ({llm.config.kernels} kernels, "
              f"{llm.config.dtype}), temperature {a.temperature}, natural stops, max_tokens={a.max_tokens}, "
@@ -150,9 +159,9 @@ def main(argv=None):
              "- speedup: median tok/s over the plain run's median; per repeat: against the plain run of the same "
              "repeat; acceptance per depth: of the guesses made at depth j (1, 2, ...), the fraction accepted"
              + ("; for a tree, of the verifies whose tree reached depth j, the fraction that kept j nodes or more; "
-                "acceptance: kept guesses over guesses made (a tree's nodes); engines: 'default' switches for plain "
-                "decoding and chains, kernels='cpu' + attention='torch' for trees and 'none (layers)'; draft ms per "
-                "step: the proposer's time per call" if a.trees else ""),
+                "acceptance: kept guesses over guesses made (a tree's nodes); engine: the default switches"
+                + (", and kernels='cpu' + attention='torch' for the '(layers)' rows" if layers else "")
+                + "; draft ms per step: the proposer's time per call" if a.trees else ""),
              "", "| workload | batch | config | tok/s | speedup | per repeat | acceptance | tokens / target pass | "
              "acceptance per depth | head ms / guess | draft ms / step |", "|---" * 11 + "|"]
     for r in rows:
