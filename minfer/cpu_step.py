@@ -234,7 +234,8 @@ def run_decode_step(step_kernel, pointers, cfg, x, cos, sin, attention, group_si
     cos, sin [rows, head dim]; `pointers` from `step_pointers`, `cfg` the layers' shape (its `vocab_size`: the LM
     head's rows); `attention` a `PagedAttention` whose meta holds one decode row per entry. -> logits [rows, vocab]"""
     if timings is not None and (timings.dtype != torch.float64 or timings.shape != (5,) or not timings.is_contiguous()):
-        raise ValueError(f"StepLlama.timings must be a contiguous float64 tensor of 5, got {timings.dtype} {tuple(timings.shape)}")
+        raise ValueError(f"StepLlama.timings must be a contiguous float64 tensor of 5, "
+                         f"got {timings.dtype} {tuple(timings.shape)}")
     m, (k, v) = attention.meta, (attention.cache.k, attention.cache.v)
     tables, lens, block_size = decode_tables(m, k.shape[2])  # a token tree's rows: through one-slot blocks
     logits = torch.empty(len(x), cfg.vocab_size)

@@ -389,8 +389,8 @@ class EagleProposer:
         self.attn = ATTENTION_BACKENDS["torch"](self.cache)
         self.states = {}  # sequence id -> HeadState
         self._watch(engine.runner)
-        # with the target on the one-call step (kernels='step', chapter 05c) the head's layer and reduced LM head are one
-        # `decode_step` call as well: ~30 PyTorch ops of Python cost more than the head's 31 MB take to read
+        # with the target on the one-call step (kernels='step', chapter 05c) the head's layer and reduced LM head are
+        # one `decode_step` call as well: ~30 PyTorch ops of Python cost more than the head's 31 MB take to read
         self.pointers = None
         if isinstance(target, StepLlama) and self.head.fc.weight.dtype == torch.float32:
             a, mlp = self.head.layer.self_attn, self.head.layer.mlp
