@@ -504,7 +504,9 @@ def awq_cpu_kernels():
 
 def awq_cpu_available():
     "Whether `matmul_q4x8` builds and loads here (a C++ compiler with OpenMP, sharing PyTorch's runtime)."
-    try: awq_cpu_kernels(); return True
+    try:
+        awq_cpu_kernels()
+        return True
     except (RuntimeError, OSError): return False
 
 def matmul_q4x8(w, x, n_out, group_size):

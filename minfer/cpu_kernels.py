@@ -207,7 +207,8 @@ def build_cpu_kernels(source=None, out_dir=None, flags=CXX_FLAGS):
             raise RuntimeError(f"compiling minfer's CPU kernels with {cxx} failed: {first}")
         os.replace(tmp, lib)  # atomic: a process building at the same time never loads a half-written file
     finally:
-        src.unlink(missing_ok=True); tmp.unlink(missing_ok=True)
+        src.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
     return lib
 
 # %% ../nbs/05b_cpu_kernels.ipynb #a7e02d96
@@ -233,7 +234,9 @@ def cpu_kernels():
 
 def cpu_kernels_available():
     "Whether the kernels build and load here (a C++ compiler is on PATH)."
-    try: cpu_kernels(); return True
+    try:
+        cpu_kernels()
+        return True
     except (RuntimeError, OSError): return False
 
 def _kernel(name, x, *others, table=None):

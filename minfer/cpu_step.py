@@ -185,7 +185,9 @@ def cpu_step_kernels():
 
 def cpu_step_available():
     "Whether the step kernels build and load here (a C++ compiler with OpenMP, sharing PyTorch's runtime)."
-    try: cpu_step_kernels(); return True
+    try:
+        cpu_step_kernels()
+        return True
     except (RuntimeError, OSError): return False
 
 # %% ../nbs/05c_cpu_step.ipynb #8c32f50e

@@ -593,8 +593,10 @@ def serve(engine, workload, tokenizer, eos_ids=()):
         now = time.perf_counter() - start
         while pending and pending[0][0] <= now:
             arr, ids, n = pending.pop(0)
-            s = workload_sequence(ids, n, tokenizer, eos_ids); s.metrics.arrival_time = start + arr
-            engine.add(s); seqs.append(s)
+            s = workload_sequence(ids, n, tokenizer, eos_ids)
+            s.metrics.arrival_time = start + arr
+            engine.add(s)
+            seqs.append(s)
         if engine.has_unfinished(): engine.step()
         elif pending: time.sleep(min(0.01, max(0.0, pending[0][0] - now)))
     return seqs, time.perf_counter() - start
@@ -606,7 +608,8 @@ def workload_sequence(ids, max_tokens, tokenizer, eos_ids=()):
 def summarize(seqs, elapsed):
     "Throughput and latency percentiles of finished sequences."
     pct = lambda xs, q: sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
-    ttft = [s.metrics.ttft for s in seqs]; tpot = [s.metrics.tpot for s in seqs if s.metrics.tpot is not None]
+    ttft = [s.metrics.ttft for s in seqs]
+    tpot = [s.metrics.tpot for s in seqs if s.metrics.tpot is not None]
     toks = sum(len(s.output_ids) for s in seqs)
     return dict(tokens_per_s=toks / elapsed, ttft_p50=pct(ttft, .5), ttft_p99=pct(ttft, .99), tpot_p50=pct(tpot, .5), tpot_p99=pct(tpot, .99), elapsed=elapsed)
 
@@ -621,5 +624,7 @@ def plot_gantt(engine, seqs, ax=None, title="continuous batching: who ran in whi
         for sid, n, kind in kinds:
             if sid in index: grid[index[sid], j] = 2 if kind == "prefill" else 1
     ax.imshow(grid, aspect="auto", cmap="Blues", vmin=0, vmax=2, interpolation="nearest")
-    ax.set_xlabel("engine step"); ax.set_ylabel("request"); ax.set_title(title)
+    ax.set_xlabel("engine step")
+    ax.set_ylabel("request")
+    ax.set_title(title)
     return ax

@@ -35,7 +35,8 @@ def tiny_random_model(model_type, folder, seed=0, **config):
     tok_dir = default_model_dir()
     vocab = json.loads((tok_dir / "config.json").read_text())["vocab_size"]
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error(); hf_logging.disable_progress_bar()  # quiet: no bars, no advice on old keys
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # quiet: no bars, no advice on old keys
     try:
         cfg = cfg_cls(**{**TINY, "vocab_size": vocab, **config})
         torch.manual_seed(seed)

@@ -109,8 +109,15 @@ def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
 @dataclass
 class PagedBatch:
     "A test batch: packed queries, a paged K/V cache, block tables, and each sequence's contiguous K/V for the reference."
-    q: torch.Tensor; k_cache: torch.Tensor; v_cache: torch.Tensor; block_tables: torch.Tensor
-    cu_seqlens_q: torch.Tensor; seq_lens: torch.Tensor; max_seqlen_q: int; k: list; v: list
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    max_seqlen_q: int
+    k: list
+    v: list
 
     def reference(self):
         "Each sequence through `attend` (SDPA) in fp32, on its contiguous K/V: [T, Hq, D] fp32."
@@ -131,12 +138,14 @@ def random_paged_batch(seq_lens, q_lens=None, n_q_heads=6, n_kv_heads=2, head_di
     block_tables = torch.zeros(len(seq_lens), max(n_blocks + [1]), dtype=torch.int32)
     ks, vs = [], []
     for i, (s, nb) in enumerate(zip(seq_lens, n_blocks)):
-        block_tables[i, :nb] = torch.tensor(ids[:nb], dtype=torch.int32); ids = ids[nb:]
+        block_tables[i, :nb] = torch.tensor(ids[:nb], dtype=torch.int32)
+        ids = ids[nb:]
         k, v = (torch.randn(s, n_kv_heads, head_dim, generator=g).to(dtype=dtype, device=device) for _ in "kv")
         pos = torch.arange(s)
         blk, off = block_tables[i, pos // block_size].long().to(device), (pos % block_size).to(device)
         k_cache[blk, off], v_cache[blk, off] = k, v
-        ks.append(k); vs.append(v)
+        ks.append(k)
+        vs.append(v)
     q = torch.randn(sum(q_lens), n_q_heads, head_dim, generator=g).to(dtype=dtype, device=device)
     cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     return PagedBatch(q, k_cache, v_cache, block_tables.to(device), cu.to(device),

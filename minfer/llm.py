@@ -230,21 +230,32 @@ def decode_breakdown(llm, prompt="Once upon a time", max_tokens=128):
     # on a GPU a module returns once its kernels are queued: wait for them, or the times are launch times
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
     def timed(mod, kind):
-        def pre(m, args): sync(); start[m] = time.perf_counter()
-        def post(m, args, out): sync(); spent[kind] += time.perf_counter() - start[m]
+        def pre(m, args):
+            sync()
+            start[m] = time.perf_counter()
+        def post(m, args, out):
+            sync()
+            spent[kind] += time.perf_counter() - start[m]
         hooks.extend([mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)])
     for layer in model.layers:
         a, f = layer.self_attn, layer.mlp
-        timed(a, "attention"); timed(a.qkv_proj, "attention matvecs"); timed(a.o_proj, "attention matvecs")
-        timed(f, "mlp"); timed(f.gate_up_proj, "mlp matvecs"); timed(f.down_proj, "mlp matvecs")
-        timed(layer.input_layernorm, "norm"); timed(layer.post_attention_layernorm, "norm")
-    timed(model.norm, "norm"); timed(model.lm_head, "head")
+        timed(a, "attention")
+        timed(a.qkv_proj, "attention matvecs")
+        timed(a.o_proj, "attention matvecs")
+        timed(f, "mlp")
+        timed(f.gate_up_proj, "mlp matvecs")
+        timed(f.down_proj, "mlp matvecs")
+        timed(layer.input_layernorm, "norm")
+        timed(layer.post_attention_layernorm, "norm")
+    timed(model.norm, "norm")
+    timed(model.lm_head, "head")
     own = torch.zeros(5, dtype=torch.float64)  # a one-call step's own timings, in the order of `parts` below
     if isinstance(model, StepLlama): model.timings = own
     try:
         t = time.perf_counter()
         llm.generate(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), raw=True)
-        sync(); total = time.perf_counter() - t
+        sync()
+        total = time.perf_counter() - t
     finally:
         for h in hooks: h.remove()
         if isinstance(model, StepLlama): model.timings = None

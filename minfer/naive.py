@@ -22,6 +22,7 @@ def naive_generate(model, prompt_ids, max_new_tokens, eos_ids=(), on_step=None):
         logits = model(tokens, torch.arange(len(ids), device=model.device), NoCache(), logits_rows=[-1])
         nxt = int(logits[0].argmax())
         if on_step: on_step(len(ids), nxt)
-        ids.append(nxt); out.append(nxt)
+        ids.append(nxt)
+        out.append(nxt)
         if nxt in eos_ids: break
     return out

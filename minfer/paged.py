@@ -65,7 +65,9 @@ class BlockAllocator:
         for b in ids:
             if self.refcount[b] < 1: raise ValueError(f"block {b} freed twice")
             self.refcount[b] -= 1
-            if self.refcount[b] == 0: self.free_ids.append(b); released.append(b)
+            if self.refcount[b] == 0:
+                self.free_ids.append(b)
+                released.append(b)
         return released
 
 # %% ../nbs/03_paged.ipynb #c98e6996
@@ -150,7 +152,8 @@ def build_batch_meta(seqs, block_size, device="cpu", keys=None):
     for i, (blocks, (_, c, n)) in enumerate(zip(tables, seqs)):
         if -(-(c + n) // block_size) > len(blocks): raise ValueError(f"block table of {len(blocks)} blocks cannot hold {c + n} tokens")
         slots += [blocks[p // block_size] * block_size + p % block_size for p in range(c, c + n)]
-        cu.append(cu[-1] + n); lens.append(c + n)
+        cu.append(cu[-1] + n)
+        lens.append(c + n)
         if keys is not None and keys[i] is not None:
             if n != 1: raise ValueError(f"explicit keys are for one-row entries; entry {i} has {n} rows")
             key_slots[i] = torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in keys[i]],
@@ -411,10 +414,12 @@ class PagedGenerator:
                             c.status, c.metrics = "running", s.metrics.__class__(**vars(s.metrics))
                             self.tables[c.id] = self.fork(s, t, c)
                             c.append(*sample_next(c, row))
-                            groups[s.request_id].append(c); running.append(c)
+                            groups[s.request_id].append(c)
+                            running.append(c)
                     s.append(*sample_next(s, row))
                 for s in [s for s in running if s.finished]:
-                    self.release(s, self.tables.pop(s.id)); running.remove(s)
+                    self.release(s, self.tables.pop(s.id))
+                    running.remove(s)
                 if on_step: on_step(self, running)
         except OutOfBlocks:
             for s in running: self.abort(s, self.tables.pop(s.id))
@@ -452,9 +457,12 @@ def draw_block_map(history, ax=None, title="physical KV blocks over time", xlabe
                 img[b, t] = (0.18, 0.18, 0.22, 1.0)
                 if nb <= 40 and steps <= 40: ax.text(t, b, str(len(hs)), ha="center", va="center", color="white", fontsize=7)
     ax.imshow(img, aspect="auto", interpolation="nearest", origin="lower", extent=(-0.5, steps - 0.5, -0.5, nb - 0.5))
-    ax.set_xlabel(xlabel); ax.set_ylabel("physical block"); ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("physical block")
+    ax.set_title(title)
     from matplotlib.ticker import MaxNLocator
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True)); ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     handles = [Patch(color=color[n], label=str(n)) for n in names + (["cache"] if any("cache" in hs for s in history for hs in s) else [])]
     handles += [Patch(color=(0.18, 0.18, 0.22), label="shared"), Patch(facecolor="white", edgecolor="0.7", label="free")]
     ax.legend(handles=handles, bbox_to_anchor=(1.01, 1), loc="upper left", fontsize=8)

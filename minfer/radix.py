@@ -94,12 +94,15 @@ class RadixCache:
         return BlockTable(self.allocator, blocks[:-(-n // self.block_size)] if n else [], n), node
 
     def lock(self, node):
-        while node is not self.root: node.lock_ref += 1; node = node.parent
+        while node is not self.root:
+            node.lock_ref += 1
+            node = node.parent
 
     def unlock(self, node):
         while node is not self.root:
             if node.lock_ref < 1: raise ValueError(f"{node} unlocked more often than locked")
-            node.lock_ref -= 1; node = node.parent
+            node.lock_ref -= 1
+            node = node.parent
 
     def evict(self, n):
         "Free least-recently-used unlocked leaves (a parent becomes a leaf when its last child goes) until n blocks are free'd."
@@ -120,7 +123,8 @@ class RadixCache:
         "Every node but the root, parents before children."
         stack = list(self.root.children.values())
         while stack:
-            x = stack.pop(); yield x
+            x = stack.pop()
+            yield x
             stack += x.children.values()
 
     @property
@@ -149,7 +153,9 @@ class RadixGenerator(PagedGenerator):
         return table
 
     def fork(self, seq, table, child):
-        if self.prefix_cache: self.radix.lock(self.locks[seq.id]); self.locks[child.id] = self.locks[seq.id]
+        if self.prefix_cache:
+            self.radix.lock(self.locks[seq.id])
+            self.locks[child.id] = self.locks[seq.id]
         return table.fork()
 
     def release(self, seq, table):
@@ -170,8 +176,12 @@ def draw_tree(radix, ax=None, fmt=None, title="radix tree"):
     pos, width = {}, [0]
     def place(node, depth):
         kids = sorted(node.children.values(), key=lambda c: str(c.key))
-        if kids: xs = [place(c, depth + 1) for c in kids]; x = (xs[0] + xs[-1]) / 2
-        else: x = width[0]; width[0] += 1
+        if kids:
+            xs = [place(c, depth + 1) for c in kids]
+            x = (xs[0] + xs[-1]) / 2
+        else:
+            x = width[0]
+            width[0] += 1
         pos[id(node)] = (x, -depth)
         return x
     place(radix.root, 0)
@@ -191,7 +201,10 @@ def draw_tree(radix, ax=None, fmt=None, title="radix tree"):
             ec = "red" if node.lock_ref else "0.4"
         ax.text(x, y, label, ha="center", va="center", fontsize=7, zorder=2,
                 bbox=dict(boxstyle="round,pad=0.3", fc=fc, ec=ec, lw=2 if ec == "red" else 1))
-    ax.set_xlim(-0.8, max(width[0] - 0.2, 0.8)); ax.set_ylim(-depth - 0.6, 0.6); ax.axis("off"); ax.set_title(title)
+    ax.set_xlim(-0.8, max(width[0] - 0.2, 0.8))
+    ax.set_ylim(-depth - 0.6, 0.6)
+    ax.axis("off")
+    ax.set_title(title)
     return ax.figure
 
 # %% ../nbs/04_radix.ipynb #ec6886c5
@@ -233,8 +246,11 @@ def stepper_step(state):
         entry["evicted"] = cached_before + added - r.num_blocks
     except OutOfBlocks as e:
         entry.update(computed=0, evicted=cached_before - r.num_blocks, error=str(e))
-    r.unlock(node); t.free()
-    s.log.append(entry); s.history.append(_snapshot(s)); s.step += 1
+    r.unlock(node)
+    t.free()
+    s.log.append(entry)
+    s.history.append(_snapshot(s))
+    s.step += 1
     return s
 
 def draw_stepper(state, fmt=None):
@@ -259,8 +275,16 @@ def radix_stepper(requests, num_blocks=12, block_size=2, fmt=None):
     def show():
         with out:
             out.clear_output(wait=True)
-            fig = draw_stepper(box["state"], fmt); display(fig); plt.close(fig)
-    def on_next(_): box["state"] = stepper_step(box["state"]); show()
-    def on_reset(_): box["state"] = stepper_start(requests, num_blocks, block_size); show()
-    nxt.on_click(on_next); reset.on_click(on_reset); show()
+            fig = draw_stepper(box["state"], fmt)
+            display(fig)
+            plt.close(fig)
+    def on_next(_):
+        box["state"] = stepper_step(box["state"])
+        show()
+    def on_reset(_):
+        box["state"] = stepper_start(requests, num_blocks, block_size)
+        show()
+    nxt.on_click(on_next)
+    reset.on_click(on_reset)
+    show()
     return widgets.VBox([widgets.HBox([nxt, reset]), out])

@@ -61,18 +61,22 @@ def _median_time(fn, repeat=7, warmup=2):
     for _ in range(warmup): fn()
     ts = []
     for _ in range(repeat):
-        t = time.perf_counter(); fn(); ts.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
     return sorted(ts)[len(ts) // 2]
 
 def measure_bandwidth(nbytes=256 * 2**20, device="cpu"):
     "Copy bandwidth in bytes/s (read + write), median of several 256 MiB copies."
-    src = torch.empty(nbytes // 4, device=device); dst = torch.empty_like(src)
+    src = torch.empty(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
     sync = torch.cuda.synchronize if src.is_cuda else (lambda: None)
     return 2 * nbytes / _median_time(lambda: (dst.copy_(src), sync()))
 
 def measure_matmul_flops(n=1024, dtype="float32", device="cpu"):
     "Dense matmul rate in FLOP/s for n x n x n."
-    a = torch.randn(n, n, dtype=getattr(torch, dtype), device=device); b = torch.randn_like(a)
+    a = torch.randn(n, n, dtype=getattr(torch, dtype), device=device)
+    b = torch.randn_like(a)
     sync = torch.cuda.synchronize if a.is_cuda else (lambda: None)
     return 2 * n**3 / _median_time(lambda: (a @ b, sync()))
 
@@ -107,8 +111,11 @@ def plot_roofline(peak_flops, bandwidth, points=(), ax=None, title="roofline"):
     for label, x, y in points:
         roof = min(peak_flops, bandwidth * x)
         ax.scatter([x], [(y if y is not None else roof) / 1e9], s=50, zorder=3, label=label)
-    ax.set_xlabel("arithmetic intensity (FLOP / byte moved)"); ax.set_ylabel("GFLOP/s")
-    ax.set_title(title); ax.legend(fontsize=8); ax.grid(True, which="both", alpha=0.2)
+    ax.set_xlabel("arithmetic intensity (FLOP / byte moved)")
+    ax.set_ylabel("GFLOP/s")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.2)
     return ax
 
 # %% ../nbs/00b_roofline.ipynb #a231778d
@@ -203,10 +210,12 @@ def plot_decode_roofline(model="Llama-3.1-8B", dtype="bfloat16", batch=1, contex
     ax2.loglog(BATCHES, [b / x.t_memory for b, x in zip(BATCHES, bounds)], ":", color="tab:blue", label="memory roof")
     ax2.loglog(BATCHES, [b / x.t_compute for b, x in zip(BATCHES, bounds)], ":", color="tab:red", label="compute roof")
     ax2.scatter([batch], [r.tokens_per_s], s=80, zorder=3, color="tab:orange", label=f"batch {batch}")
-    ax2.set_xlabel("batch size (sequences decoding together)"); ax2.set_ylabel("tokens/s (whole batch)")
+    ax2.set_xlabel("batch size (sequences decoding together)")
+    ax2.set_ylabel("tokens/s (whole batch)")
     ax2.set_ylim(min(x.tokens_per_s for x in bounds) / 3, max(x.tokens_per_s for x in bounds) * 3)
     ax2.set_title(f"{name} {dtype}, context {context}: {r.tokens_per_s:,.0f} tok/s, {r.regime}")
-    ax2.legend(fontsize=8); ax2.grid(True, which="both", alpha=0.2)
+    ax2.legend(fontsize=8)
+    ax2.grid(True, which="both", alpha=0.2)
     fig.tight_layout()
     return fig
 
@@ -217,7 +226,8 @@ def roofline_explorer(devices=None, models=None):
     devices, models = DEVICES if devices is None else devices, MODELS if models is None else models
     def show(model, dtype, batch, context, device):
         fig = plot_decode_roofline(model, dtype, batch, context, device, devices, models)
-        display(fig); plt.close(fig)
+        display(fig)
+        plt.close(fig)
         return decode_roofline(models[model], dtype, batch, context, devices[device])
     shown = widgets.interact(show, model=widgets.Dropdown(options=list(models), value="Llama-3.1-8B" if "Llama-3.1-8B" in models else list(models)[0]),
                              dtype=widgets.Dropdown(options=["float32", "bfloat16", "int8", "int4"], value="bfloat16"),
@@ -247,7 +257,8 @@ class Ledger:
         "One forward step. new_tokens[i], cached_context[i]: tokens computed / tokens read from cache for sequence i."
         cfg, kvb = self.cfg, kv_bytes_per_token(self.cfg, self.kv_dtype or self.dtype)
         n, rows = sum(new_tokens), len(new_tokens) if logits_rows is None else logits_rows
-        self.steps += 1; self.tokens_in += n
+        self.steps += 1
+        self.tokens_in += n
         self.weight_bytes += weight_bytes_per_step(cfg, self.dtype, self.projection_bits)
         self.kv_read_bytes += sum(cached_context) * kvb
         self.kv_write_bytes += n * kvb if cached else 0

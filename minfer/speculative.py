@@ -59,7 +59,9 @@ def rejection_sample(target_probs, draft_ids, draft_probs, generators):
         if u * q_d < float(p[d]):  # u < p/q without dividing by a zero q
             out.append(d)
             continue
-        if draft_probs is None: residual = p.clone(); residual[d] = 0  # max(0, p - onehot(d))
+        if draft_probs is None:
+            residual = p.clone()
+            residual[d] = 0  # max(0, p - onehot(d))
         else: residual = (p - draft_probs[j]).clamp_min(0)
         if float(residual.sum()) <= 0: residual = p  # only when p == q, where nothing is ever rejected
         return out + [int(torch.multinomial(residual, 1, generator=generators[j]))]

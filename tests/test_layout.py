@@ -123,3 +123,17 @@ def test_the_command_line_is_at_the_top_of_the_engine_track():
     exported, order = module_chapters(), {p.stem: i for i, p in enumerate(chapters())}
     importers = [m for m, deps in import_graph().items() if "cli" in deps]
     assert all(order[exported[m]] > order[exported["cli"]] for m in importers), importers
+
+
+def joined_statements(src):
+    "Line numbers of `;` statement separators in Python source (a `;` inside a string or a comment is not one)."
+    import io, tokenize
+    return [t.start[0] for t in tokenize.generate_tokens(io.StringIO(src).readline)
+            if t.type == tokenize.OP and t.string == ";"]
+
+
+def test_one_statement_per_line_in_the_library():
+    "No `a; b` in `minfer/`: one statement per line, so a diff, a breakpoint and a coverage line mean one thing."
+    found = {py.name: joined_statements(py.read_text()) for py in sorted(PKG.glob("*.py"))}
+    assert not {k: v for k, v in found.items() if v}, found
+    assert joined_statements("x = 1; y = 2\ns = 'a; b'  # c; d\n") == [1]  # the detector sees a real one, only it

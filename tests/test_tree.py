@@ -247,7 +247,7 @@ def test_triton_tree_kernel_matches_the_reference(model_dir, dtype):
 # ---- the switch ------------------------------------------------------------------------------------------------------
 def test_tree_switch_refusals_one_line(model_dir, random_head):
     base = {"method": "eagle", "model": random_head, "tree": "static"}
-    bad = [(dict(speculative=base, kernels="torch", attention="triton"), "attention='triton'"),
+    bad = [(dict(speculative=base, kernels="torch", attention="triton"), "attention='triton' reads whole block tables"),
            (dict(speculative=base, kv_dtype="int8"), "kv_dtype='int8'"),
            (dict(speculative={**base, "adaptive": True}), "adaptive=True"),
            (dict(speculative={**base, "tree": "bushy"}), "tree='bushy'"),
