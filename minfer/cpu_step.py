@@ -6,8 +6,7 @@ Docs: https://minfer.github.io/minfer/cpu_step.html.md"""
 
 # %% auto #0
 __all__ = ['CPU_STEP_SOURCE', 'STEP_CXX_FLAGS', 'STEP_MAX_ROWS', 'STEP_RUNS', 'openmp_runtimes', 'cpu_step_kernels',
-           'cpu_step_available', 'matvec', 'StepLlama', 'run_decode_step', 'can_step', 'fuse_decode_step',
-           'step_pointers']
+           'cpu_step_available', 'matvec', 'StepLlama', 'step_call', 'can_step', 'fuse_decode_step', 'weight_table']
 
 # %% ../nbs/05c_cpu_step.ipynb #ef314a1d
 import ctypes, functools
@@ -228,12 +227,12 @@ class StepLlama(Llama):
         if not self.one_call(tokens, attention, logits_rows): return super().forward(tokens, positions, attention, logits_rows)
         x = self.embed_tokens(tokens)  # a new tensor: the residual stream, updated in place by the call
         cos, sin = self.rope.tables(positions, x.dtype, sequence_lengths(attention) if self.rope.switch_at else None)
-        return run_decode_step(self.step_kernel, self.weight_pointers, self.cfg, x, cos, sin, attention,
+        return step_call(self.step_kernel, self.weight_pointers, self.cfg, x, cos, sin, attention,
                                self.group_size, self.timings)
 
-def run_decode_step(step_kernel, pointers, cfg, x, cos, sin, attention, group_size=0, timings=None):
+def step_call(step_kernel, pointers, cfg, x, cos, sin, attention, group_size=0, timings=None):
     """One `decode_step` call: x [rows, hidden] (the rows' inputs, then their last residual stream: updated in place),
-    cos, sin [rows, head dim]; `pointers` from `step_pointers`, `cfg` the layers' shape (its `vocab_size`: the LM
+    cos, sin [rows, head dim]; `pointers` from `weight_table`, `cfg` the layers' shape (its `vocab_size`: the LM
     head's rows); `attention` a `PagedAttention` whose meta holds one decode row per entry. -> logits [rows, vocab]"""
     if timings is not None and (timings.dtype != torch.float64 or timings.shape != (5,) or not timings.is_contiguous()):
         raise ValueError(f"StepLlama.timings must be a contiguous float64 tensor of 5, "
@@ -287,10 +286,10 @@ def fuse_decode_step(model):
     # the weights' addresses, in decode_step's order, gathered once: ~1 ms of Python attribute lookups if done every step
     # (replace a weight after this and call fuse_decode_step again)
     addr = [w.data_ptr() for w in model.weight_buffers] if formats else [p.weight.data_ptr() for p in projections]
-    model.weight_pointers = step_pointers(model.layers, addr, model.norm.weight, model.lm_head.weight)
+    model.weight_pointers = weight_table(model.layers, addr, model.norm.weight, model.lm_head.weight)
     return model
 
-def step_pointers(layers, projections, norm, lm_head):
+def weight_table(layers, projections, norm, lm_head):
     """`decode_step`'s weight table: per layer 9 addresses (input norm, qkv, o, post-attention norm, gate_up, down,
     q/k/v bias, q norm, k norm; 0 where it has none), then the final norm's (`norm` None: 0, no final norm) and the LM
     head's. projections: the addresses of every layer's four projections, in that order, layer after layer."""

@@ -31,7 +31,7 @@ from .engine import SPECULATORS, CONFIG_RULES, Rule, root_paths
 from .speculative import Speculator
 from .cli import COMMANDS, Command
 from .llm import LLM
-from .cpu_step import StepLlama, cpu_step_kernels, run_decode_step, step_pointers
+from .cpu_step import StepLlama, cpu_step_kernels, step_call, weight_table
 
 # %% ../nbs/10b_eagle.ipynb #e0b3
 def head_config(target_cfg):
@@ -394,7 +394,7 @@ class EagleProposer:
         self.pointers = None
         if isinstance(target, StepLlama) and self.head.fc.weight.dtype == torch.float32:
             a, mlp = self.head.layer.self_attn, self.head.layer.mlp
-            self.pointers = step_pointers([self.head.layer], [w.weight.data_ptr() for w in (a.qkv_proj, a.o_proj,
+            self.pointers = weight_table([self.head.layer], [w.weight.data_ptr() for w in (a.qkv_proj, a.o_proj,
                                           mlp.gate_up_proj, mlp.down_proj)], None, self.head.lm_head.weight)
             self.step_cfg = replace(self.head.cfg, vocab_size=self.head.lm_head.out_features)
 
@@ -431,7 +431,7 @@ class EagleProposer:
             return g, self.head.draft_logits(g).float()
         x = self.head.inputs(tokens, features)  # the call turns it into g, in place
         cos, sin = self.head.rope.tables(positions, x.dtype)
-        logits = run_decode_step(("decode_step", cpu_step_kernels()), self.pointers, self.step_cfg, x, cos, sin,
+        logits = step_call(("decode_step", cpu_step_kernels()), self.pointers, self.step_cfg, x, cos, sin,
                                  self.attn)
         return x, logits
 
