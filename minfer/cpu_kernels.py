@@ -325,17 +325,25 @@ def fuse_cpu_ops(model):
 
 # %% ../nbs/05b_cpu_kernels.ipynb #9e898401
 def decode_tables(meta, block_size):
-    """What `paged_decode` reads for `meta`'s decode rows: (block tables int32 [rows, width], key counts int32 [rows],
-    block size). Where a row has its own key list (`meta.key_slots`: a token tree's node sees the sequence and its
+    """What `paged_decode` reads for `meta`'s rows, one query row each: (block tables int32 [rows, width], key counts
+    int32 [rows], block size). An entry of q rows (a speculative chain's guesses, chapter 09) is q rows over its one
+    table, row j seeing the first len - q + 1 + j keys: causal, as the kernel writes every row's K/V before any row
+    attends. Where a row has its own key list (`meta.key_slots`: a token tree's node sees the sequence and its
     ancestors only, chapter 10b) every row is read through blocks of one slot: the pool viewed flat, so a row's table
-    is the list of its keys' slots, and the kernel attends to exactly those. Otherwise the tables as they are."""
-    if not meta.key_slots: return meta.block_tables, meta.seq_lens, block_size
-    width, tables = int(meta.seq_lens.max()), meta.block_tables.long()
+    is the list of its keys' slots, and the kernel attends to exactly those."""
+    tables, lens, starts = meta.block_tables, meta.seq_lens, meta.cu_seqlens_q
+    if meta.max_seqlen_q > 1:  # one table and key count per row
+        per_entry = starts.diff()
+        entry = torch.repeat_interleave(torch.arange(len(per_entry), device=tables.device), per_entry)
+        row = torch.arange(len(entry), device=tables.device)
+        tables, lens = tables[entry], (lens[entry] - per_entry[entry] + 1 + row - starts[entry]).to(torch.int32)
+    if not meta.key_slots: return tables, lens, block_size
+    width, tables = int(lens.max()), tables.long()
     position = torch.arange(width, device=tables.device)
     block = (position // block_size).clamp(max=tables.shape[1] - 1)  # past a row's length: padding, never read
     flat = tables[:, block] * block_size + position % block_size
-    for row, slots in meta.key_slots.items(): flat[row, :len(slots)] = slots
-    return flat.to(torch.int32), meta.seq_lens, 1
+    for entry, slots in meta.key_slots.items(): flat[int(starts[entry]), :len(slots)] = slots  # a one-row entry
+    return flat.to(torch.int32), lens, 1
 
 class CpuAttention(PagedAttention):
     """`PagedAttention` whose decode steps are one `paged_decode` call per layer: write the new K/V, attend over each

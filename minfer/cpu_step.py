@@ -21,14 +21,76 @@ from .cpu_kernels import (
 CPU_STEP_SOURCE = CPU_KERNELS_SOURCE + r"""
 // ---- chapter 05c: the whole decode step in one call ----
 #include <chrono>
+#include <cstdlib>
+#include <memory>
 #include <omp.h>
 
-// One weight row w against R rows of x (x row-major, n_in apart): out[r] = sum_i w[i] x[r, i]. The sums run in fp32 in
-// 16 lanes per row (two AVX2 registers, filled by the compiler's vectoriser from `omp simd`); R <= 4 keeps all of them
-// in registers. In bf16 a weight is widened to fp32 as it is loaded (bf16 is fp32's top half).
-constexpr int64_t MAX_ROWS = 16, LANES = 16;
-template <typename T, int R>
-static inline void dot_rows(const T* w, const float* x, int64_t n_in, float* out) {
+// The products' inner loop is a tile: O weight rows against R rows of x, each of the O * R sums in its own vector
+// register of fp32 lanes, so every weight vector loaded serves R rows and every x vector O weight rows (4 x 4 tiles
+// use 16 of AVX-512's 32 registers, 2 x 4 tiles 8 of AVX2's 16). A sum's lanes are added up once, at the end of the
+// row, the same way whatever tile it sits in: a row's result never depends on how many rows came with it. In bf16 a
+// weight is widened to fp32 as it is loaded (a shift: bf16 is fp32's top half).
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+constexpr int LANES = 16, TILE_O = 4, TILE_R = 4;
+using Vec = __m512;
+static inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline Vec vload(const bf16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+static inline Vec vzero() { return _mm512_setzero_ps(); }
+static inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+constexpr int LANES = 8, TILE_O = 2, TILE_R = 4;
+using Vec = __m256;
+static inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+static inline Vec vload(const bf16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+static inline Vec vzero() { return _mm256_setzero_ps(); }
+static inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float vsum(Vec v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#else
+#define MINFER_PLAIN_TILES  // no vector intrinsics: one weight row, the compiler's vectoriser (below)
+constexpr int LANES = 16, TILE_O = 1, TILE_R = 4;
+#endif
+
+// out[r * out_stride + o] = w[o] . x[r], rounded to T, for a tile of O weight rows (n_in apart) and R rows of x.
+// `ahead` (may be null): the next tile's weights, asked into L2 as this one is read, so the memory works while the
+// registers do.
+#ifndef MINFER_PLAIN_TILES
+template <typename T, int O, int R>
+static inline void dot_tile(const T* w, const float* x, int64_t n_in, T* out, int64_t out_stride, const T* ahead) {
+  Vec acc[O][R];
+  for (int o = 0; o < O; ++o)
+    for (int r = 0; r < R; ++r) acc[o][r] = vzero();
+  const int64_t n_vec = n_in / LANES * LANES;
+  for (int64_t i = 0; i < n_vec; i += LANES) {
+    if (ahead)
+      for (int o = 0; o < O; ++o) __builtin_prefetch(ahead + o * n_in + i, 0, 2);
+    Vec xv[R];  // R rows of x in registers, then each weight vector once against all of them
+    for (int r = 0; r < R; ++r) xv[r] = vload(x + r * n_in + i);
+    for (int o = 0; o < O; ++o) {
+      const Vec wv = vload(w + o * n_in + i);
+      for (int r = 0; r < R; ++r) acc[o][r] = vfma(wv, xv[r], acc[o][r]);
+    }
+  }
+  for (int o = 0; o < O; ++o)
+    for (int r = 0; r < R; ++r) {
+      float sum = vsum(acc[o][r]);
+      for (int64_t i = n_vec; i < n_in; ++i) sum += Num<T>::load(w[o * n_in + i]) * x[r * n_in + i];
+      out[r * out_stride + o] = Num<T>::store(sum);
+    }
+}
+#else
+template <typename T, int O, int R>  // O == 1: one weight row in 16 fp32 lanes per row of x, filled by `omp simd`
+static inline void dot_tile(const T* w, const float* x, int64_t n_in, T* out, int64_t out_stride, const T* ahead) {
   const int64_t n_vec = n_in / LANES * LANES;
   float acc[R][LANES] = {};
   for (int64_t i = 0; i < n_vec; i += LANES)
@@ -39,32 +101,47 @@ static inline void dot_rows(const T* w, const float* x, int64_t n_in, float* out
     float sum = 0;
     for (int64_t j = 0; j < LANES; ++j) sum += acc[r][j];
     for (int64_t i = n_vec; i < n_in; ++i) sum += Num<T>::load(w[i]) * x[r * n_in + i];
-    out[r] = sum;
+    out[r * out_stride] = Num<T>::store(sum);
+  }
+}
+#endif
+
+// O weight rows against all `rows` rows of x, TILE_R at a time (the weights are in L1 for the second pass and on)
+template <typename T, int O>
+static void dot_rows(const T* w, const float* x, int64_t rows, int64_t n_in, T* out, int64_t out_stride,
+                     const T* ahead) {
+  static_assert(TILE_R == 4, "the switch below covers tiles of 1 to 4 rows");
+  for (int64_t r0 = 0; r0 < rows; r0 += TILE_R) {
+    const float* xr = x + r0 * n_in;
+    T* o = out + r0 * out_stride;
+    const T* next = r0 == 0 ? ahead : nullptr;
+    switch (rows - r0 < TILE_R ? rows - r0 : TILE_R) {
+      case 4: dot_tile<T, O, 4>(w, xr, n_in, o, out_stride, next); break;
+      case 3: dot_tile<T, O, 3>(w, xr, n_in, o, out_stride, next); break;
+      case 2: dot_tile<T, O, 2>(w, xr, n_in, o, out_stride, next); break;
+      default: dot_tile<T, O, 1>(w, xr, n_in, o, out_stride, next);
+    }
   }
 }
 
-// y = x W^T for x [rows, n_in] (rows <= MAX_ROWS), W [n_out, n_in], y [rows, n_out]: F.linear without a bias. Output
-// rows are split over OpenMP's threads (PyTorch's pool); each weight row is read from memory once for all rows of x,
-// four rows at a time (for the next four it is still in L1).
+// y = x W^T for x [rows, n_in], W [n_out, n_in], y [rows, n_out]: F.linear without a bias. Tiles
+// of TILE_O output rows are split over OpenMP's threads (PyTorch's pool); each weight is read from memory once for
+// all rows of x.
 template <typename T>
 void matvec(const T* W, const T* x, T* y, int64_t rows, int64_t n_in, int64_t n_out) {
-  std::vector<float> xf(rows * n_in);  // the input, once in fp32 (a few KB)
+  // the input, once in fp32 (a few KB), 64-byte aligned: no vector load of it straddles two cache lines
+  std::unique_ptr<float[], decltype(&std::free)> x32(
+      static_cast<float*>(std::aligned_alloc(64, (rows * n_in * sizeof(float) + 63) / 64 * 64)), &std::free);
+  float* const xf = x32.get();
   for (int64_t i = 0; i < rows * n_in; ++i) xf[i] = Num<T>::load(x[i]);
+  const int64_t tiles = (n_out + TILE_O - 1) / TILE_O;
 #pragma omp parallel for schedule(static)
-  for (int64_t o = 0; o < n_out; ++o) {
-    const T* w = W + o * n_in;
-    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-      const float* xr = xf.data() + r0 * n_in;
-      float sums[4];
-      const int64_t n = rows - r0 < 4 ? rows - r0 : 4;
-      switch (n) {
-        case 4: dot_rows<T, 4>(w, xr, n_in, sums); break;
-        case 3: dot_rows<T, 3>(w, xr, n_in, sums); break;
-        case 2: dot_rows<T, 2>(w, xr, n_in, sums); break;
-        default: dot_rows<T, 1>(w, xr, n_in, sums);
-      }
-      for (int64_t r = 0; r < n; ++r) y[(r0 + r) * n_out + o] = Num<T>::store(sums[r]);
-    }
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t o0 = t * TILE_O, n = n_out - o0 < TILE_O ? n_out - o0 : TILE_O;
+    const T* next = t + 1 < tiles ? W + (o0 + TILE_O) * n_in : nullptr;
+    if (n == TILE_O) dot_rows<T, TILE_O>(W + o0 * n_in, xf, rows, n_in, y + o0, n_out, next);
+    else  // the last, partial tile: one weight row at a time
+      for (int64_t o = o0; o < n_out; ++o) dot_rows<T, 1>(W + o * n_in, xf, rows, n_in, y + o, n_out, nullptr);
   }
 }
 
@@ -200,26 +277,26 @@ def matvec(w, x):
 
 
 # %% ../nbs/05c_cpu_step.ipynb #03d0d0e6
-# sequences per decode step up to which one call beats 05b's fused ops (measured below on the course machine: in fp32
-# oneDNN's packed GEMM is as fast or faster at 16 rows, in bf16 PyTorch's products are slower than ours at every size)
-STEP_MAX_ROWS = {torch.float32: 8, torch.bfloat16: FUSED_MAX_ROWS}
+# rows per step up to which one call beats 05b's fused ops (measured below, and by benchmarks/bench_step_rows.py: in
+# fp32 oneDNN's packed GEMM catches up at about 16 rows, in bf16 PyTorch's products are slower than ours at every size)
+STEP_MAX_ROWS = {torch.float32: FUSED_MAX_ROWS, torch.bfloat16: FUSED_MAX_ROWS}
 # what the call runs of chapter 12a's behaviours (`ModelConfig.behaviours`): q/k/v biases and q/k norms (Qwen2 and
 # Qwen3) in the call; norms' offsets are folded into their weights at load, and LongRoPE's tables are picked in
 # Python; a model with any other is refused
 STEP_RUNS = ("norm_offset", "longrope", "qkv_bias", "qk_norm")
 
 class StepLlama(Llama):
-    """`Llama` whose decode steps (one new token for each of up to `STEP_MAX_ROWS` sequences, over a paged KV cache) are one C++ call:
-    every layer's norms, matvecs, RoPE, KV write and attention, then the final norm and the LM head. Other steps run the
-    modules as before. Set `timings` to a float64 tensor of 5 zeros to have each call add the seconds it spends per part:
+    """`Llama` whose small steps over a paged KV cache (up to `STEP_MAX_ROWS` rows, every row's logits wanted: a decode
+    step, a speculative chain's or token tree's verification) are one C++ call: every layer's norms, matvecs, RoPE, KV
+    write and attention, then the final norm and the LM head. Other steps run the modules as before. Set `timings` to a float64 tensor of 5 zeros to have each call add the seconds it spends per part:
     layer matvecs, LM head, norms, RoPE + KV write + attention, SiLU x up. `step_kernel`: (name, kernel table) of the
     call, `decode_step` over the projections' weight format (`fuse_decode_step` sets it)."""
     timings, max_rows, group_size, step_kernel = None, STEP_MAX_ROWS, 0, None
 
     def one_call(self, tokens, attention, logits_rows):
-        "Whether this forward is a decode step `decode_step` can take."
-        m, rows = getattr(attention, "meta", None), tokens.shape[0]
-        return (isinstance(attention, PagedAttention) and m.max_seqlen_q == 1 and rows == len(m.seq_lens) <= self.max_rows.get(self.dtype, 0)
+        "Whether `decode_step` can take this forward (a sequence's several rows are causal rows: `decode_tables`)."
+        rows = tokens.shape[0]
+        return (isinstance(attention, PagedAttention) and rows <= self.max_rows.get(self.dtype, 0)
                 and attention.cache.k.dtype == self.dtype
                 and (logits_rows is None or (len(logits_rows) == rows and bool((logits_rows == torch.arange(rows)).all()))))
 
@@ -233,12 +310,13 @@ class StepLlama(Llama):
 def step_call(step_kernel, pointers, cfg, x, cos, sin, attention, group_size=0, timings=None):
     """One `decode_step` call: x [rows, hidden] (the rows' inputs, then their last residual stream: updated in place),
     cos, sin [rows, head dim]; `pointers` from `weight_table`, `cfg` the layers' shape (its `vocab_size`: the LM
-    head's rows); `attention` a `PagedAttention` whose meta holds one decode row per entry. -> logits [rows, vocab]"""
+    head's rows); `attention` a `PagedAttention` over the rows (`decode_tables` says what each reads). -> logits
+    [rows, vocab]"""
     if timings is not None and (timings.dtype != torch.float64 or timings.shape != (5,) or not timings.is_contiguous()):
         raise ValueError(f"StepLlama.timings must be a contiguous float64 tensor of 5, "
                          f"got {timings.dtype} {tuple(timings.shape)}")
     m, (k, v) = attention.meta, (attention.cache.k, attention.cache.v)
-    tables, lens, block_size = decode_tables(m, k.shape[2])  # a token tree's rows: through one-slot blocks
+    tables, lens, block_size = decode_tables(m, k.shape[2])  # one table per row (a tree's rows: one-slot blocks)
     logits = torch.empty(len(x), cfg.vocab_size)
     dims = (_I * 8)(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                     cfg.head_dim, cfg.num_hidden_layers, cfg.vocab_size, group_size)
