@@ -68,10 +68,11 @@ def rejection_sample(target_probs, draft_ids, draft_probs, generators):
     return out + [int(torch.multinomial(target_probs[len(draft_ids)], 1, generator=generators[len(draft_ids)]))]
 
 # %% ../nbs/10a_speculative.ipynb #851e87f2
-# A decode step's time against its rows, in one-row steps: measured in this chapter on the course machine (quiet 2-core
-# Xeon, fp32, default switches; one sequence 1-16 rows, 8 sequences 8-72 rows; medians of 7 runs, rounded). A GPU's
-# curve is far flatter (a decode step there is far from compute-bound): a flatter curve only speculates more.
-STEP_TIMES = ((1, 1.0), (2, 1.15), (5, 1.75), (8, 2.3), (16, 3.45), (24, 4.6), (40, 6.3), (72, 9.3))
+# A decode step's time against its rows, in one-row steps: measured in this chapter (quiet 2-core AMD EPYC with AVX-512,
+# fp32, default switches; one sequence 1-16 rows, 8 sequences 8-72 rows; medians of 3 runs, rounded). Up to 16 rows
+# the step is chapter 05c's one call, whose tiles make a few extra rows nearly free; wider steps run 05b's modules.
+# A GPU's curve is flatter still (a decode step there is far from compute-bound): a flatter curve only speculates more.
+STEP_TIMES = ((1, 1.0), (2, 1.07), (5, 1.16), (8, 1.5), (16, 2.6), (24, 4.3), (40, 5.9), (72, 9.2))
 
 def expected_tokens(alpha, k):
     "Tokens per target pass with k guesses each accepted with probability alpha (i.i.d.): 1 + alpha + ... + alpha^k."
