@@ -258,3 +258,26 @@ def test_cli_generate_speculative():
     r = subprocess.run([minfer, "generate", "hi", "--speculative", '{"method": "ngram", "num_speculative_tokens": 0}'],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "num_speculative_tokens=0" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+def test_a_probe_comes_where_the_prior_rate_would_earn_a_guess():
+    """A request whose rate says no guesses is probed with one guess every 16 tokens only where a request with the
+    prior rate would get that guess in this step: alone it is, in a batch of 8 on the measured curve it is not."""
+    from minfer.speculative import Speculator, PRIOR_ALPHA
+    from minfer.engine import SpeculativeConfig
+    class Recorder:
+        cheap = False
+        def __init__(self): self.ks = None
+        def propose(self, seqs, ks): self.ks = ks
+    def probed(batch):
+        spec = Speculator.__new__(Speculator)
+        spec.config, spec.proposer = SpeculativeConfig(method="ngram", adaptive=True), Recorder()
+        seqs = []
+        for _ in range(batch):
+            s = Sequence([1, 2, 3], SamplingParams(max_tokens=64))
+            s.output_ids, s.spec_alpha = list(range(16)), 0.01  # 16 tokens out, and a rate that earns nothing
+            s.num_computed = len(s) - 1
+            seqs.append(s)
+        spec.propose(seqs)
+        return spec.proposer.ks
+    assert speculation_lengths([PRIOR_ALPHA], [4]) != [0] and probed(1) == [1]
+    assert speculation_lengths([PRIOR_ALPHA] * 8, [4] * 8) == [0] * 8 and probed(8) == [0] * 8
