@@ -6,7 +6,7 @@ run without speculation. Records tokens per target pass, acceptance per depth (o
 fraction the target accepted) and the head's milliseconds per guess (the proposer's time over its guesses).
 
 `--trees`: chains against static and dynamic token trees at equal node budgets (4 and 8 guesses per step), all on the
-default switches (a tree's rows read their own key lists in the one-call C++ step, or, past its 8 rows, on the layers
+default switches (a tree's rows read their own key lists in the one-call C++ step, or, past its 16 rows, on the layers
 with attention='cpu'); `--layers` adds a second engine with kernels='cpu' and attention='torch' (chapter 03's
 attention on PyTorch's layers) running plain decoding and the static tree of 4 there; every speedup is against plain
 decoding on the default switches. Acceptance per depth for a tree:
