@@ -288,8 +288,9 @@ STEP_RUNS = ("norm_offset", "longrope", "qkv_bias", "qk_norm")
 class StepLlama(Llama):
     """`Llama` whose small steps over a paged KV cache (up to `STEP_MAX_ROWS` rows, every row's logits wanted: a decode
     step, a speculative chain's or token tree's verification) are one C++ call: every layer's norms, matvecs, RoPE, KV
-    write and attention, then the final norm and the LM head. Other steps run the modules as before. Set `timings` to a float64 tensor of 5 zeros to have each call add the seconds it spends per part:
-    layer matvecs, LM head, norms, RoPE + KV write + attention, SiLU x up. `step_kernel`: (name, kernel table) of the
+    write and attention, then the final norm and the LM head. Other steps run the modules as before. Set `timings` to
+    a float64 tensor of 5 zeros to have each call add the seconds it spends per part: layer matvecs, LM head, norms,
+    RoPE + KV write + attention, SiLU x up. `step_kernel`: (name, kernel table) of the
     call, `decode_step` over the projections' weight format (`fuse_decode_step` sets it)."""
     timings, max_rows, group_size, step_kernel = None, STEP_MAX_ROWS, 0, None
 

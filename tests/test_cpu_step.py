@@ -135,7 +135,8 @@ def test_one_call_takes_a_sequences_several_rows(model_dir, tokenizer):
     texts = [tokenizer.encode(t) for t in SHORT]
     cached, new = [texts[0], texts[1], []], [tokenizer.encode(" Paris, the city of")[:5], texts[0][:1], texts[2][:3]]
     cache = PagedKVCache(step.cfg, 16, 4, step.dtype)
-    cache.allocator.free_ids = collections.deque(torch.randperm(16, generator=torch.Generator().manual_seed(1)).tolist())
+    shuffled = torch.randperm(16, generator=torch.Generator().manual_seed(1))
+    cache.allocator.free_ids = collections.deque(shuffled.tolist())  # scattered blocks
     attn, tables = CpuAttention(cache), []
     with torch.inference_mode():
         for ids in cached:  # the prefixes, through the modules (a prefill wanting its last row's logits only)
