@@ -326,7 +326,7 @@ def fuse_cpu_ops(model):
 # %% ../nbs/05b_cpu_kernels.ipynb #9e898401
 def decode_tables(meta, block_size):
     """What `paged_decode` reads for `meta`'s rows, one query row each: (block tables int32 [rows, width], key counts
-    int32 [rows], block size). An entry of q rows (a speculative chain's guesses, chapter 09) is q rows over its one
+    int32 [rows], block size). An entry of q rows (a speculative chain's guesses, chapter 10a) is q rows over its one
     table, row j seeing the first len - q + 1 + j keys: causal, as the kernel writes every row's K/V before any row
     attends. Where a row has its own key list (`meta.key_slots`: a token tree's node sees the sequence and its
     ancestors only, chapter 10b) every row is read through blocks of one slot: the pool viewed flat, so a row's table
