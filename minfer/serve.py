@@ -7,7 +7,7 @@ Docs: https://minfer.github.io/minfer/serve.html.md"""
 # %% auto #0
 __all__ = ['MAX_LOGPROBS', 'CHAT_PAGE', 'APIError', 'StreamOptions', 'CompletionRequest', 'ChatMessage', 'ChatRequest',
            'parse_request', 'structured_outputs', 'sampling_params', 'completion_prompts', 'chat_messages', 'Update',
-           'Event', 'Job', 'EngineLoop', 'ServerMetrics', 'completion_logprobs', 'chat_logprobs', 'sse',
+           'Event', 'Job', 'EngineLoop', 'ServerMetrics', 'completion_logprobs', 'chat_logprobs', 'sse', 'APIKeyCheck',
            'running_switches', 'OpenAIServer', 'bind_socket', 'ServerThread', 'serve_in_thread', 'add_serve_args',
            'llm_from_args', 'serve_main', 'main']
 
@@ -23,6 +23,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .llm import LLM, add_engine_args, engine_switches
@@ -452,6 +453,21 @@ async def _client_gone(request):
     "Returns when the client disconnects (the body has been read, so the next ASGI message is the disconnect)."
     while (await request.receive())["type"] != "http.disconnect": pass
 
+class APIKeyCheck:
+    """vLLM's and llama.cpp's `--api-key`: a request under `/v1` without `Authorization: Bearer <key>` gets a 401
+    (compared in constant time). A plain ASGI middleware: Starlette's `BaseHTTPMiddleware` would hand the app a
+    `receive` of its own that stands between a stream and the client's disconnect (see `_client_gone`)."""
+    def __init__(self, app, key): self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            sent = Headers(scope=scope).get("authorization", "").encode()
+            if not secrets.compare_digest(sent, self.expected):
+                error = APIError("invalid or missing API key: send the header 'Authorization: Bearer <key>'", None,
+                                 401, "invalid_request_error", "invalid_api_key")
+                return await error.response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
 def running_switches(llm):
     "The switches the engine runs with (its `EngineConfig`, every 'auto' resolved), for /health and the chat page."
     return {f.name: getattr(llm.config, f.name) for f in dataclasses.fields(llm.config) if f.name != "model"}
@@ -480,22 +496,13 @@ class OpenAIServer:
             str(e.detail), None, e.status_code, http_error_type(e.status_code)).response())
         app.add_exception_handler(Exception, lambda request, e: APIError(
             f"internal error: {e}", None, 500, "internal_server_error").response())
-        app.middleware("http")(self._check_key)
+        if self.api_key is not None: app.add_middleware(APIKeyCheck, key=self.api_key)
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat_completions)
         app.get("/v1/models")(self.models)
         app.get("/health")(self.health)
         app.get("/metrics")(self.prometheus)
         app.get("/", response_class=HTMLResponse)(self.chat_page)
-
-    async def _check_key(self, request, call_next):
-        "vLLM's and llama.cpp's `--api-key`: the OpenAI API needs the key; compared in constant time."
-        if self.api_key is not None and request.url.path.startswith("/v1"):
-            sent = request.headers.get("authorization", "")
-            if not secrets.compare_digest(sent.encode(), f"Bearer {self.api_key}".encode()):
-                return APIError("invalid or missing API key: send the header 'Authorization: Bearer <key>'", None, 401,
-                                "invalid_request_error", "invalid_api_key").response()
-        return await call_next(request)
 
     async def completions(self, request: Request):
         return await self._serve(request, chat=False)

@@ -248,16 +248,20 @@ def _wait_for_idle(http, seconds=15):
         time.sleep(0.05)
     return stats(http)
 
-def test_disconnect_mid_stream_frees_blocks(url, http):
+def test_disconnect_mid_stream_frees_blocks(url, http, server):
     before = metric_values(http).get('minfer_requests_total{endpoint=completions,outcome=aborted}', 0)
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2000, "stream": True, "temperature": 0,
             "ignore_eos": True}  # minutes of work unless the server aborts it
     with httpx.Client(base_url=url, timeout=60) as own:  # its own connection, closed mid-stream
         with own.stream("POST", "/v1/completions", json=body) as r:
-            for i, _ in enumerate(r.iter_lines()):
-                if i == 10: break
+            lines = []
+            for line in r.iter_lines():
+                lines.append(line)
+                if len(lines) == 11: break
             running = stats(http)
-            assert running["blocks_in_use"] > 0 and running["requests_running"] == 1
+            # on failure: what the stream said and what the server logged, so a rare failure explains itself
+            assert running["blocks_in_use"] > 0 and running["requests_running"] == 1, \
+                (running, lines[-4:], metric_values(http), "".join(server[1].log[-30:]))
     s = _wait_for_idle(http)
     assert s["blocks_in_use"] == 0 and s["requests_running"] == 0, s
     m = metric_values(http)
