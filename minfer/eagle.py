@@ -28,7 +28,7 @@ from .sampling import sample, sampling_probs, logprob_entries
 from .flash import split_kv_decode, load_kv_tile
 from .sequence import SamplingParams
 from .engine import SPECULATORS, CONFIG_RULES, Rule, root_paths
-from .speculative import Speculator
+from .speculative import Speculator, step_bytes
 from .cli import COMMANDS, Command
 from .llm import LLM
 from .cpu_step import StepLlama, cpu_step_kernels, step_call, weight_table
@@ -388,6 +388,8 @@ class EagleProposer:
                                   target.device)
         self.attn = ATTENTION_BACKENDS["torch"](self.cache)
         self.states = {}  # sequence id -> HeadState
+        # for adaptive k (chapter 10a): a head pass costs its weights' share of a target step, 31 MB of 538 in fp32
+        self.pass_cost = sum(p.numel() * p.element_size() for p in self.head.parameters()) / step_bytes(target)
         self._watch(engine.runner)
         # with the target on the one-call step (kernels='step', chapter 05c) the head's layer and reduced LM head are
         # one `decode_step` call as well: ~30 PyTorch ops of Python cost more than the head's 31 MB take to read

@@ -178,13 +178,15 @@ def test_engine_stochastic_first_token_distribution(model, tokenizer):
 
 # ---- adaptive k ------------------------------------------------------------------------------------------------
 def test_speculation_lengths_is_the_best_choice():
-    "Against brute force over every k per sequence: the most expected tokens per unit of step time."
+    """Against brute force over every k per sequence: the most expected tokens per unit of step time, the step's time
+    being its rows' on the curve plus, where guesses cost model passes, one pass per depth of guessing."""
     rng = random.Random(0)
-    for _ in range(200):
-        batch = rng.randint(1, 4)
+    for i in range(400):
+        batch, pass_cost = rng.randint(1, 4), 0.0 if i % 2 else rng.uniform(0.0, 0.3)
         alphas, caps = [rng.random() for _ in range(batch)], [rng.randint(0, 4) for _ in range(batch)]
-        rate = lambda ks: sum(expected_tokens(a, k) for a, k in zip(alphas, ks)) / step_time(batch + sum(ks))
-        ks = speculation_lengths(alphas, caps)
+        rate = lambda ks: (sum(expected_tokens(a, k) for a, k in zip(alphas, ks))
+                           / (step_time(batch + sum(ks)) + pass_cost * max(ks)))
+        ks = speculation_lengths(alphas, caps, pass_cost=pass_cost)
         assert all(0 <= k <= c for k, c in zip(ks, caps))
         assert rate(ks) == pytest.approx(max(rate(c) for c in itertools.product(*[range(c + 1) for c in caps])))
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
@@ -196,6 +198,8 @@ def test_speculation_lengths_see_the_batch():
     # one request that quotes its prompt among seven that do not: the guesses go to it
     ks = speculation_lengths([0.9] + [0.2] * 7, [8] * 8)
     assert ks[0] >= 2 and ks[1:] == [0] * 7
+    # guesses that cost a model pass each go less deep: alone at 0.35, an EAGLE head's 6% of a step per pass
+    assert speculation_lengths([0.35], [6]) == [3] and speculation_lengths([0.35], [6], pass_cost=0.06) == [2]
 
 def test_adaptive_greedy_equals_plain(model_dir):
     plain, spec = LLM(model_dir), LLM(model_dir, speculative={"method": "ngram", "num_speculative_tokens": 8,
@@ -265,7 +269,7 @@ def test_a_probe_comes_where_the_prior_rate_would_earn_a_guess():
     from minfer.speculative import Speculator, PRIOR_ALPHA
     from minfer.engine import SpeculativeConfig
     class Recorder:
-        cheap = False
+        cheap, pass_cost = False, 0.0
         def __init__(self): self.ks = None
         def propose(self, seqs, ks): self.ks = ks
     def probed(batch):
