@@ -154,6 +154,36 @@ def test_head_kv_after_rerun_equals_a_fresh_run(model_dir, plain, tiny_head):
     torch.testing.assert_close(v_pool[slots], keep.v, atol=2e-3, rtol=1e-3)
 
 
+def test_head_reads_a_window(model_dir, plain, tiny_head, monkeypatch):
+    """Past `HEAD_WINDOW` positions a head row reads the last HEAD_WINDOW keys only: with every position's K/V in the
+    head's pool, a row's prediction equals the head's modules run afresh over the window (chapter 00a's attention,
+    absolute positions), on the one-call step and on the layers; and a re-run after a gap covers only the window."""
+    import minfer.eagle as eagle_module
+    window = 16
+    for kernels in ("step", "cpu"):
+        spec = LLM(model_dir, speculative={"method": "eagle", "model": tiny_head, "num_speculative_tokens": 2},
+                   kernels=kernels, **SMALL)
+        seq = Sequence(plain.tokenizer.encode(PROMPTS[4]), SamplingParams(max_tokens=8, ignore_eos=True),
+                       plain.tokenizer)
+        spec.engine.add(seq)
+        while not seq.output_ids: spec.engine.step()  # the prompt: its features filed, no guess yet
+        proposer, n = spec.engine.runner.speculator.proposer, seq.num_computed
+        assert n >= 2 * window
+        with torch.inference_mode():
+            monkeypatch.setattr(eagle_module, "HEAD_WINDOW", 10 ** 6)
+            table, start, tokens, features = proposer._catch_up(seq, 1)
+            assert start == 0
+            proposer._forward([(table, start, tokens, features)])  # every position's K/V in the pool
+            monkeypatch.setattr(eagle_module, "HEAD_WINDOW", window)
+            g, _ = proposer._forward([(table, n - 1, tokens[-1:], features[-1:])])  # the last position again
+            ids = torch.tensor(seq.token_ids)
+            want = proposer.head(ids[n - window + 1:n + 1], features[n - window:n], torch.arange(n - window, n),
+                                 lambda layer, q, k, v, **kw: attend(q, k, v))[-1]
+            proposer.states[seq.id].held = 0  # as if the sequence had made no guess since its prompt
+            assert proposer._catch_up(seq, 1)[1] == n - window  # the window's positions, not all n
+        torch.testing.assert_close(g[0], want, atol=2e-3, rtol=1e-3)
+
+
 def test_head_on_the_one_call_step_equals_its_modules(model_dir, plain, tiny_head):
     """With the target on kernels='step', a head pass is one `decode_step` call (one layer, no final norm, the reduced
     LM head): its predicted features and draft logits equal the head's PyTorch modules over chapter 03's attention,
