@@ -260,8 +260,10 @@ def test_disconnect_mid_stream_frees_blocks(url, http, server):
                 if len(lines) == 11: break
             running = stats(http)
             # on failure: what the stream said and what the server logged, so a rare failure explains itself
-            assert running["blocks_in_use"] > 0 and running["requests_running"] == 1, \
-                (running, lines[-4:], metric_values(http), "".join(server[1].log[-30:]))
+            outcomes = {k: v for k, v in metric_values(http).items() if k.startswith("minfer_requests_total")}
+            assert running["blocks_in_use"] > 0 and running["requests_running"] == 1, (
+                f"HTTP {r.status_code}; running {running['requests_running']}, blocks {running['blocks_in_use']}; "
+                f"last lines {lines[-3:]}; {outcomes}; server log: {''.join(server[1].log[-20:])[-1500:]}")
     s = _wait_for_idle(http)
     assert s["blocks_in_use"] == 0 and s["requests_running"] == 0, s
     m = metric_values(http)
