@@ -13,8 +13,8 @@ decoding on the default switches. Acceptance per depth for a tree:
 of the verifies whose tree reached depth j, the fraction that kept a path of j nodes or more; draft ms per step: the
 proposer's time per call. Records benchmarks/eagle-tree-<date>.md and .json.
 
-    python benchmarks/bench_eagle.py [--repeats 2] [--max-tokens 64] [--temperature 0] [--trees [--layers]] [--record]
-                                     [--quiet]
+    python benchmarks/bench_eagle.py [--repeats 2] [--max-tokens 64] [--temperature 0] [--trees [--layers]]
+        [--configs 'eagle k=2,eagle adaptive'] [--record] [--quiet]
 """
 import argparse, datetime, json, os, statistics, sys, time
 from pathlib import Path
@@ -76,17 +76,23 @@ def main(argv=None):
     ap.add_argument("--batch1-prompts", type=int, default=4, help="prompts per workload at batch 1 (all 8 at batch 8)")
     ap.add_argument("--trees", action="store_true", help="chains against static and dynamic token trees")
     ap.add_argument("--layers", action="store_true", help="with --trees: plain and a tree on PyTorch's layers too")
+    ap.add_argument("--configs", help="comma-separated configurations to run (plain decoding always runs)")
     ap.add_argument("--record", action="store_true")
     ap.add_argument("--quiet", action="store_true", help="say in the record that nothing else ran beside it")
     a = ap.parse_args(argv)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=0)
+    layers = a.trees and a.layers
+    configs = ({**TREE_CONFIGS, **(LAYERS_CONFIGS if layers else {})} if a.trees
+               else {name: ("default", spec) for name, spec in CONFIGS.items()})
+    if a.configs:
+        wanted = {"none", *a.configs.split(",")}
+        if wanted - set(configs): ap.error(f"unknown configurations {sorted(wanted - set(configs))}; "
+                                           f"known: {', '.join(configs)}")
+        configs = {name: c for name, c in configs.items() if name in wanted}
     # one model and engine for every configuration (two with --trees); each run switches the engine's speculator,
     # what `LLM(speculative=...)` would have built
     llm = LLM()
-    layers = a.trees and a.layers
     llms = {"default": llm, **({"layers": LLM(kernels="cpu", attention="torch")} if layers else {})}
-    configs = ({**TREE_CONFIGS, **(LAYERS_CONFIGS if layers else {})} if a.trees
-               else {name: ("default", spec) for name, spec in CONFIGS.items()})
     speculators, probes = {}, {}
     for name, (engine, spec) in configs.items():
         host = llms[engine]
@@ -144,6 +150,7 @@ def main(argv=None):
              f" (1-minute load average at the end: {os.getloadavg()[0]:.1f} on 2 cores, its own 2 threads included)",
              f"- command: `python benchmarks/bench_eagle.py --repeats {a.repeats} --max-tokens {a.max_tokens} "
              f"--temperature {a.temperature}{' --trees' if a.trees else ''}{' --layers' if layers else ''}"
+             f"{' --configs ' + repr(a.configs) if a.configs else ''}"
              f"{' --record' if a.record else ''}"
              f"{' --quiet' if a.quiet else ''}`",
              f"- model: the default (SmolLM2-135M-Instruct), default switches ({llm.config.kernels} kernels, "

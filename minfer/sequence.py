@@ -93,7 +93,9 @@ class Sequence:
     draft_probs: object = field(init=False, default=None)    # their proposer's distributions [k, vocab]; None: one-hot
     # a token tree's (chapter 10b): each guess's parent, -1 the last token, parents before children; None: a chain
     draft_parents: list | None = field(init=False, default=None)
-    spec_alpha: float | None = field(init=False, default=None)  # its running acceptance rate (adaptive k, ch. 10)
+    # its guesses accepted and guesses judged, older verifies' counts decayed: its acceptance rate (adaptive k, ch. 10)
+    spec_accepted: float = field(init=False, default=0.0)
+    spec_judged: float = field(init=False, default=0.0)
     # incremental detokenization: decoded up to _read, text of ids[_prefix:_read] is a settled window; handed out
     _prefix: int = field(init=False, default=0, repr=False)
     _read: int = field(init=False, default=0, repr=False)

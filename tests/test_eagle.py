@@ -185,10 +185,34 @@ def test_head_reads_a_window(model_dir, plain, tiny_head, monkeypatch):
         torch.testing.assert_close(g[0], want, atol=2e-3, rtol=1e-3)
 
 
-def test_head_on_the_one_call_step_equals_its_modules(model_dir, plain, tiny_head):
+def test_head_keeps_the_features_of_its_window_only(model_dir, plain, tiny_head, monkeypatch):
+    """The target's features are filed after every pass, but no re-run reads further back than the window: a sequence
+    holds at most the window's (and one more), after its prompt and while it decodes with or without guesses."""
+    from minfer.eagle import EagleProposer
+    window = 16
+    monkeypatch.setattr(EagleProposer, "window", window)
+    spec = LLM(model_dir, speculative={"method": "eagle", "model": tiny_head, "num_speculative_tokens": 2,
+                                       "adaptive": True}, **SMALL)
+    seq = Sequence(plain.tokenizer.encode(PROMPTS[4]), SamplingParams(max_tokens=40, ignore_eos=True),
+                   plain.tokenizer)
+    spec.engine.add(seq)
+    proposer, sizes = spec.engine.runner.speculator.proposer, []
+    while not seq.finished:
+        spec.engine.step()
+        if seq.id in proposer.states:
+            held = proposer.states[seq.id].features
+            assert min(held) >= seq.num_computed - window - 1, (min(held), seq.num_computed)
+            sizes.append(len(held))
+    assert len(seq.token_ids) > 3 * window and max(sizes) <= window + 3, sizes
+
+
+def test_head_on_the_one_call_step_equals_its_modules(model_dir, plain, tiny_head, monkeypatch):
     """With the target on kernels='step', a head pass is one `decode_step` call (one layer, no final norm, the reduced
     LM head): its predicted features and draft logits equal the head's PyTorch modules over chapter 03's attention,
-    for runs of positions (the re-run) and for rows with their own key lists (a tree's nodes)."""
+    for runs of positions (the re-run) and for rows with their own key lists (a tree's nodes). Past
+    `EagleProposer.step_rows` rows the modules run, and only the rows asked for meet the LM head."""
+    from minfer.eagle import EagleProposer
+    monkeypatch.setattr(EagleProposer, "step_rows", 64)  # these 33 rows in one call
     spec = eagle(model_dir, tiny_head)
     proposer = spec.engine.runner.speculator.proposer
     assert proposer.pointers is not None and proposer.step_cfg.vocab_size == proposer.head.lm_head.out_features
@@ -202,9 +226,17 @@ def test_head_on_the_one_call_step_equals_its_modules(model_dir, plain, tiny_hea
     positions = torch.tensor([p for _, p, _ in entries[:32]] + [9])
     with torch.inference_mode():
         got = proposer._head(entries, tokens, features, positions, keys)
-        proposer.pointers = None  # the modules
+        some = torch.tensor([3, 22, 31, 32])
+        _, step_some = proposer._head(entries, tokens, features, positions, keys, logits_rows=some)
+        monkeypatch.setattr(EagleProposer, "step_rows", 16)  # 33 rows: the modules
+        g_some, logits_some = proposer._head(entries, tokens, features, positions, keys, logits_rows=some)
+        proposer.pointers = None  # the modules, every row's logits
         want = proposer._head(entries, tokens, features, positions, keys)
     for a, b in zip(got, want): torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(g_some, want[0], atol=1e-4, rtol=1e-4)
+    for logits in (step_some, logits_some):
+        assert logits.shape[0] == len(some)
+        torch.testing.assert_close(logits, want[1][some], atol=1e-4, rtol=1e-4)
     for t in tables: t.free()
 
 

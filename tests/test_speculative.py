@@ -263,6 +263,26 @@ def test_cli_generate_speculative():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "num_speculative_tokens=0" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
+@pytest.mark.parametrize("alpha", [0.3, 0.6, 0.85])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_acceptance_counts_read_the_true_rate(alpha, k):
+    """Verifies drawn from the geometric model (each guess right with probability alpha until the first wrong one):
+    the running counts' ratio, averaged over the run, is alpha within 0.03 at any k. Averaging each verify's own ratio
+    would read 0.20 for 0.3 at k = 2 and 0.41 for 0.6 at k = 4 (the ratio bias of counts decayed by 0.8 is 0.02 at
+    most). The rate the rule reads adds the prior as one judged guess: the prior before any verify, 0.3 after a
+    first verify that rejected its first guess."""
+    from minfer.speculative import count_verify, acceptance_rate, PRIOR_ALPHA, PRIOR_WEIGHT
+    rng, seq, ratios = random.Random(k), Sequence([1], SamplingParams()), []
+    assert acceptance_rate(seq) == PRIOR_ALPHA  # nothing judged yet
+    count_verify(seq, 3, 0)
+    assert PRIOR_WEIGHT == 1 and acceptance_rate(seq) == pytest.approx(0.3)  # (0 + 0.6) / (1 + 1)
+    for _ in range(6000):
+        accepted = 0
+        while accepted < k and rng.random() < alpha: accepted += 1
+        count_verify(seq, k, accepted)
+        ratios.append(seq.spec_accepted / seq.spec_judged)
+    assert abs(sum(ratios[20:]) / len(ratios[20:]) - alpha) < 0.03
+
 def test_a_probe_comes_where_the_prior_rate_would_earn_a_guess():
     """A request whose rate says no guesses is probed with one guess every 16 tokens only where a request with the
     prior rate would get that guess in this step: alone it is, in a batch of 8 on the measured curve it is not."""
@@ -278,7 +298,8 @@ def test_a_probe_comes_where_the_prior_rate_would_earn_a_guess():
         seqs = []
         for _ in range(batch):
             s = Sequence([1, 2, 3], SamplingParams(max_tokens=64))
-            s.output_ids, s.spec_alpha = list(range(16)), 0.01  # 16 tokens out, and a rate that earns nothing
+            s.output_ids = list(range(16))
+            s.spec_accepted, s.spec_judged = 0.0, 100.0  # 16 tokens out, and a rate that earns nothing
             s.num_computed = len(s) - 1
             seqs.append(s)
         spec.propose(seqs)
