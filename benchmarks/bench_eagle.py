@@ -135,12 +135,11 @@ def main(argv=None):
                       f"{s['draft_ms_per_step']}", flush=True)
     rows = []
     for w, b in cases:
-        base = statistics.median(times[("none", w, b)])
         for name in configs:
             v = times[(name, w, b)]
+            ratios = [x / y for x, y in zip(v, times[("none", w, b)])]  # each against plain of its own repeat
             rows.append(dict(workload=w, batch=b, config=name, tok_s=statistics.median(v),
-                             speedup=statistics.median(v) / base,
-                             per_repeat=[x / y for x, y in zip(v, times[("none", w, b)])], **stats[(name, w, b)]))
+                             speedup=statistics.median(ratios), per_repeat=ratios, **stats[(name, w, b)]))
     head_config = json.loads((default_head_dir() / "config.json").read_text())
     title = "EAGLE chains against token trees" if a.trees else "EAGLE against plain decoding and prompt lookup"
     lines = [f"# {title}, medians of {a.repeats} alternating runs", "",
@@ -163,8 +162,10 @@ def main(argv=None):
              f"{a.batch1_prompts} of each one after another; batch 8: all 8 in one `generate` call",
              "- " + ("every speculative run's tokens were identical to the run without speculation (asserted)"
                      if a.temperature == 0 else "sampled: outputs differ between configurations, their law does not"),
-             "- speedup: median tok/s over the plain run's median; per repeat: against the plain run of the same "
-             "repeat; acceptance per depth: of the guesses made at depth j (1, 2, ...), the fraction accepted"
+             "- speedup: the median over repeats of tok/s against the plain run of the same repeat (run just before "
+             "it: a slow minute of the machine slows both; medians of tok/s apart do not pair them, and read 0.99x "
+             "where every repeat but one read 1.17-1.29x in eagle-2026-11-25-1832.md); per repeat: those ratios; "
+             "acceptance per depth: of the guesses made at depth j (1, 2, ...), the fraction accepted"
              + ("; for a tree, of the verifies whose tree reached depth j, the fraction that kept j nodes or more; "
                 "acceptance: kept guesses over guesses made (a tree's nodes); engine: the default switches"
                 + (", and kernels='cpu' + attention='torch' for the '(layers)' rows" if layers else "")
