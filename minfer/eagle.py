@@ -278,7 +278,7 @@ def train_head(head, data, steps=800, rows=8, length=192, ahead=2, lr=1e-3, ce_w
 # %% ../nbs/10b_eagle.ipynb #e0f2
 # prompts, answer tokens, draft vocabulary, training steps, windows per step, window length, steps unrolled
 SCHEDULES = {
-    "default": dict(prompts=1200, max_tokens=160, draft_vocab=6144, steps=700, rows=8, length=192, ahead=2),
+    "default": dict(prompts=2000, max_tokens=160, draft_vocab=6144, steps=1100, rows=8, length=192, ahead=2),
     "long": dict(prompts=3200, max_tokens=192, draft_vocab=8192, steps=2400, rows=8, length=256, ahead=3),
     "tiny": dict(prompts=4, max_tokens=16, draft_vocab=512, steps=4, rows=2, length=32, ahead=2),
 }
@@ -359,7 +359,7 @@ def _train_args(p):
     p.add_argument("src", nargs="?", help="the target model's folder (default: the embedded default model)")
     p.add_argument("dst", nargs="?", help="where to write the head (default: SRC-eagle beside it)")
     p.add_argument("--schedule", default="default", choices=list(SCHEDULES),
-                   help="default: about 30 min on a 2-core CPU; long: more data and steps; tiny: a smoke test")
+                   help="default: under an hour on a 2-core CPU; long: more data and steps; tiny: a smoke test")
     p.add_argument("--seed", type=int, default=0)
 
 def run_train_eagle(a):
