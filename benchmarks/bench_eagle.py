@@ -1,9 +1,10 @@
-"""EAGLE (chapter 10b) against plain decoding and prompt lookup: chapter 10a's held-out workloads (copy-heavy and
-open-ended chat prompts; the head was trained on its target's answers to prompts about words of its vocabulary, none of
-these), batch 1 (all 8 prompts one after another) and batch 8 (one `generate` call), natural stops, chat template. One
-process, every configuration in turn within each repeat (A B C ... A B C ...), medians. At temperature 0 every output
-must equal the run without speculation. Records tokens per target pass, acceptance per depth (of the guesses made at
-depth j, the fraction the target accepted) and the head's milliseconds per guess (the proposer's time over its guesses).
+"""EAGLE (chapter 10b) against plain decoding, prompt lookup and a draft model: chapter 10a's held-out workloads
+(copy-heavy and open-ended chat prompts; the head was trained on its target's answers to prompts about words of its
+vocabulary, none of these), batch 1 (all 8 prompts one after another) and batch 8 (one `generate` call), natural stops,
+chat template. One process, every configuration in turn within each repeat (A B C ... A B C ...), medians. At
+temperature 0 every output must equal the run without speculation. Records tokens per target pass, acceptance per depth
+(of the guesses made at depth j, the fraction the target accepted) and the head's milliseconds per guess (the proposer's
+time over its guesses).
 
 `--trees`: chains against static and dynamic token trees at equal node budgets (4 and 8 guesses per step), all on the
 default switches (a tree's rows read their own key lists in the one-call C++ step, or, past its 16 rows, on the layers
@@ -30,7 +31,11 @@ from bench_speculative import workloads
 
 CONFIGS = {"none": None, "ngram adaptive": {"method": "ngram", "num_speculative_tokens": 8, "adaptive": True},
            **{f"eagle k={k}": {"method": "eagle", "num_speculative_tokens": k} for k in (2, 3, 4)},
-           "eagle adaptive": {"method": "eagle", "num_speculative_tokens": 6, "adaptive": True}}
+           "eagle adaptive": {"method": "eagle", "num_speculative_tokens": 6, "adaptive": True},
+           # chapter 10a's draft model: with the default target, its AWQ-int4 copy (`minfer quantize`), as large as the
+           # target (the default model is the smallest of its family); left out, with a line, where that copy is missing
+           "draft k=2": {"method": "draft", "num_speculative_tokens": 2},
+           "draft adaptive": {"method": "draft", "num_speculative_tokens": 4, "adaptive": True}}
 # --trees: (engine, speculative) per configuration; --layers adds LAYERS_CONFIGS on kernels='cpu', attention='torch'
 TREE_CONFIGS = {"none": ("default", None),
                 **{f"chain {n}": ("default", {"method": "eagle", "num_speculative_tokens": n}) for n in (4, 8)},
@@ -97,9 +102,15 @@ def main(argv=None):
     speculators, probes = {}, {}
     for name, (engine, spec) in configs.items():
         host = llms[engine]
-        spec = None if spec is None else SPECULATORS[spec["method"]].resolve(speculative_config(spec), host.model_dir)
+        try:
+            spec = None if spec is None else SPECULATORS[spec["method"]].resolve(speculative_config(spec),
+                                                                                  host.model_dir)
+        except ValueError as e:  # the draft model's folder is not built here
+            print(f"{name}: left out ({e})", flush=True)
+            continue
         speculators[name] = None if spec is None else SPECULATORS[spec.method](spec, host.engine)
         if speculators[name] is not None: probes[name] = Probe(speculators[name])
+    configs = {name: c for name, c in configs.items() if name in speculators}
     work = workloads()
     cases = [(w, b) for w in work for b in (1, 8)]
     times = {(c, w, b): [] for c in configs for w, b in cases}
@@ -149,7 +160,8 @@ def main(argv=None):
                                              "shared machine: other jobs ran beside this one") +
              f" (1-minute load average at the end: {os.getloadavg()[0]:.1f} on 2 cores, its own 2 threads included)",
              f"- command: `python benchmarks/bench_eagle.py --repeats {a.repeats} --max-tokens {a.max_tokens} "
-             f"--temperature {a.temperature}{' --trees' if a.trees else ''}{' --layers' if layers else ''}"
+             f"--temperature {a.temperature} --batch1-prompts {a.batch1_prompts}{' --trees' if a.trees else ''}"
+             f"{' --layers' if layers else ''}"
              f"{' --configs ' + repr(a.configs) if a.configs else ''}"
              f"{' --record' if a.record else ''}"
              f"{' --quiet' if a.quiet else ''}`",
@@ -171,6 +183,9 @@ def main(argv=None):
                 "acceptance: kept guesses over guesses made (a tree's nodes); engine: the default switches"
                 + (", and kernels='cpu' + attention='torch' for the '(layers)' rows" if layers else "")
                 + "; draft ms per step: the proposer's time per call" if a.trees else ""),
+             *(["- draft rows: chapter 10a's draft model, the target's AWQ-int4 copy (`minfer quantize`), as large as "
+                "the target; their 'head ms / guess' is the draft model's"]
+               if any(n.startswith("draft") for n in configs) else []),
              "", "| workload | batch | config | tok/s | speedup | per repeat | acceptance | tokens / target pass | "
              "acceptance per depth | head ms / guess | draft ms / step |", "|---" * 11 + "|"]
     for r in rows:
