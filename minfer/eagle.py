@@ -545,7 +545,7 @@ def tree_greedy(choose, drafts, parents):
 
 def keep_draft(p, d, gen):
     "True with probability p(d) / sum(p) (p need not be normalised)."
-    return float(torch.rand((), generator=gen)) * float(p.sum()) < float(p[d])
+    return float(torch.rand((), generator=gen, device=gen.device)) * float(p.sum()) < float(p[d])
 
 def draw_token(p, gen): return int(torch.multinomial(p, 1, generator=gen))
 
@@ -595,7 +595,8 @@ def verify(self, seq, logits):
         return seq.constraint.mask(logits[row])
     if params.temperature == 0: path, out = tree_greedy(lambda row: sample(row_logits(row), params), drafts, parents)
     else:
-        gens = [seq.token_generator(ahead=j) for j in range(max(tree_depths(parents), default=0) + 1)]
+        depth = max(tree_depths(parents), default=0)
+        gens = [seq.token_generator(ahead=j, device=logits.device) for j in range(depth + 1)]
         path, out = tree_sample(lambda row: sampling_probs(row_logits(row), params), drafts, parents, gens)
     if walked: seq.constraint.rollback(len(walked))
     table = seq.block_table

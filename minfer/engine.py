@@ -100,23 +100,32 @@ class ModelRunner:
         return tokens, positions, torch.tensor(rows, dtype=torch.long, device=dev)
 
     def sample(self, batch, logits):
-        "Walk the logits rows in `prepare`'s order: prompt logprobs, then a token for each sequence that is ready."
+        """Walk the logits rows in `prepare`'s order: prompt logprobs, then a token for each sequence that is ready.
+        Each sequence's work is `isolated` (chapter 02c): one that fails ends alone, the batch goes on."""
         sampled, row = [], 0
         for s, n in batch:
-            if s.draft_ids:  # every row checks one guess: the tokens accepted, then one from the target
-                sampled += self.speculator.verify(s, logits[row:row + n])
-                row += n
-                continue
-            if _wants_prompt_rows(s):
-                add_prompt_logprobs(s, s.num_computed, logits[row:row + n])
-                row += n
-            elif s.num_computed + n == len(s): row += 1
-            if s.num_computed + n < len(s): continue  # a prompt chunk with more to come
-            last = logits[row - 1]
-            sampled.append((s, *sample_next(s, last)))
-            # the prompt is done: its further samples (n > 1) draw their first tokens from the same logits
-            sampled += [(f, *sample_next(f, last)) for f in s.forks if not f.finished]
+            width = n if s.draft_ids or _wants_prompt_rows(s) else int(s.num_computed + n == len(s))
+            rows, row = logits[row:row + width], row + width
+            with s.isolated("sampling"):
+                sampled += self._sample_rows(s, n, rows)
         return sampled
+
+    def _sample_rows(self, s, n, rows):
+        "-> [(sequence, token, logprobs)] for `s` (and the forks its prompt starts) from its `n` scheduled tokens' rows."
+        if s.draft_ids:  # every row checks one guess: the tokens accepted, then one from the target
+            return self.speculator.verify(s, rows)
+        if _wants_prompt_rows(s):
+            add_prompt_logprobs(s, s.num_computed, rows)
+        if s.num_computed + n < len(s):  # a prompt chunk with more to come
+            return []
+        out = [(s, *sample_next(s, rows[-1]))]
+        # the prompt is done: its further samples (n > 1) draw their first tokens from the same logits
+        for f in s.forks:
+            if f.finished:
+                continue
+            with f.isolated("sampling"):
+                out.append((f, *sample_next(f, rows[-1])))
+        return out
 
     def account(self, batch, n_logits):
         "Ledger for the step, and each sequence's share: weights split evenly over the batch, plus its own KV traffic."

@@ -147,7 +147,8 @@ def postprocess(self, batch, sampled):
     A verified speculative run (chapter 10) gives one sequence several tokens in a row; the KV of its rejected guesses
     is rolled back (its block table truncated), and a stop inside the run drops the tokens after it. Tokens an output
     constraint forces after a sampled one (chapter 14's jump-forward) are appended too, and have no KV yet.
-    -> the sequences that got a token."""
+    A sequence that failed alone in this step (chapter 02c's `isolated`: while sampling, or here while appending) is
+    released like a finished one. -> the sequences that got a token or ended."""
     for seq, n in batch: seq.num_computed += n
     verified = {seq: len(seq) for seq, _ in batch if seq.draft_ids}  # tokens before this step's accepted run
     got = list(dict.fromkeys(seq for seq, _, _ in sampled))
@@ -158,7 +159,8 @@ def postprocess(self, batch, sampled):
         if seq.finished: continue  # stopped earlier in its accepted run
         if seq.forks: self._start_forks(seq)
         if seq in verified: verified[seq] += 1
-        seq.append(token, logprobs, jump=i == last[seq])  # forced tokens go after the run, not inside it
+        with seq.isolated("detokenizing and checking stop rules"):
+            seq.append(token, logprobs, jump=i == last[seq])  # forced tokens go after the run, not inside it
         seq.metrics.bytes_per_token = seq.bytes_moved / len(seq.output_ids)
     for seq, _ in batch:
         if not seq.draft_ids: continue
@@ -167,8 +169,10 @@ def postprocess(self, batch, sampled):
         # rejected guess at a position a forced token now holds
         seq.num_computed = min(seq.num_computed, verified[seq] - 1)
         if not seq.finished: seq.block_table.truncate(seq.num_computed)
+    got += [seq for seq, _ in batch if seq.finished and seq not in got]  # failed while sampling: no token
     for seq in got:
-        if seq.finished: self.finish(seq)
+        if seq.finished:
+            self.finish(seq)
     return got
 
 def _start_forks(self, seq):

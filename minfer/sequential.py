@@ -46,12 +46,14 @@ class SequentialEngine:
         all_rows = seq.prompt_logprobs is not None and not seq.output_ids
         logits = model(torch.tensor(tokens, device=dev), torch.arange(start, start + len(tokens), device=dev), attn,
                        logits_rows=None if all_rows else [-1])
-        if all_rows: add_prompt_logprobs(seq, start, logits)
         if self.kv != "none": self.cache.advance(len(tokens))
         for ledger in (self.ledger, seq.ledger):
             ledger.record([len(tokens)], [start], logits_rows=len(logits), cached=self.kv != "none")
             ledger.generated()
-        seq.append(*sample_next(seq, logits[-1]))
+        with seq.isolated("sampling"):  # a failure ends this sequence alone (chapter 02c)
+            if all_rows:
+                add_prompt_logprobs(seq, start, logits)
+            seq.append(*sample_next(seq, logits[-1]))
         seq.metrics.bytes_per_token = seq.ledger.bytes_per_token
         if seq.finished: self.current = self.cache = None
         return [seq]

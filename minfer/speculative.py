@@ -57,7 +57,7 @@ def rejection_sample(target_probs, draft_ids, draft_probs, generators):
     for j, d in enumerate(draft_ids):
         p = target_probs[j]
         q_d = 1.0 if draft_probs is None else float(draft_probs[j, d])
-        u = float(torch.rand((), generator=generators[j]))
+        u = float(torch.rand((), generator=generators[j], device=generators[j].device))
         if u * q_d < float(p[d]):  # u < p/q without dividing by a zero q
             out.append(d)
             continue
@@ -204,7 +204,7 @@ class Speculator:
                 if out[-1] != d: break
         else:
             probs = torch.stack([sampling_probs(row, params) for row in logits])
-            gens = [seq.token_generator(ahead=j) for j in range(len(drafts) + 1)]
+            gens = [seq.token_generator(ahead=j, device=logits.device) for j in range(len(drafts) + 1)]
             q = None if seq.draft_probs is None else seq.draft_probs[:len(drafts)]
             out = rejection_sample(probs, drafts, q, gens)
         accepted = len(out) - 1
@@ -278,7 +278,8 @@ class DraftProposer:
                 else:
                     q = sampling_probs(row, p)
                     # the draft's own random stream, seeded by the request's seed and the guess's position
-                    g = torch.Generator().manual_seed((s.seed * 7_919 + len(s) + len(s.draft_ids)) % 2**63)
+                    seed = (s.seed * 7_919 + len(s) + len(s.draft_ids)) % 2**63
+                    g = torch.Generator(device=row.device).manual_seed(seed)
                     s.draft_ids.append(int(torch.multinomial(q, 1, generator=g)))
                     s.draft_probs.append(q)
             jobs = [(s, k, t) for s, k, t in jobs if len(s.draft_ids) < k]
