@@ -2,12 +2,37 @@
 
 __version__ = "0.1.0"
 "minfer: learn and use the techniques behind fast LLM inference. The public API is `LLM` and `SamplingParams`."
-# Every chapter that fills a registry, in course order, so that `import minfer` sees every entry: weight formats (00a,
-# 08), attention backends and KV formats (03, 05a, 05b, 09), speculative methods (10a, 10b), worker engines (11, 13),
-# model families and RoPE scalings (12a), mixtures of experts (12b), output constraints (14) and the command line's
-# subcommands (07c, 08, 10b). `minfer.serve` (07b) registers nothing and loads the web framework: it is imported where
-# it is used.
-from . import (model, paged, flash, cpu_kernels, cpu_step, engine, llm, cli, awq, kvquant, speculative, eagle,
-               disagg, families, moe, tp, structured)
-from .sampling import SamplingParams
-from .llm import LLM, RequestOutput, Completion
+import importlib
+
+# The chapters' modules, in course order. The package loads lazily: `import minfer.<chapter>` loads that chapter and
+# the ones before it, nothing later, so a reader of chapter 03 runs chapter 03's engine. The public names below load
+# every chapter first (`load_all`), so that `from minfer import LLM` sees every registry's entries: weight formats,
+# KV formats and their readers, attention backends, speculative methods, worker engines, model families, output
+# constraints, subcommands, and the switches each chapter adds to the engine's config.
+CHAPTERS = ("model", "roofline", "naive", "kvcache", "sampling", "sequence", "sequential", "paged", "radix", "flash",
+            "cpu_kernels", "cpu_step", "scheduler", "engine", "llm", "serve", "cli", "awq", "kvquant", "speculative",
+            "eagle", "disagg", "families", "moe", "tp", "structured")
+PUBLIC = {"LLM": "llm", "RequestOutput": "llm", "Completion": "llm", "SamplingParams": "sampling"}
+
+
+def load_all():
+    "Import every chapter's module, in course order, so that every extension point holds every chapter's entries."
+    for name in CHAPTERS:
+        importlib.import_module(f"{__name__}.{name}")
+
+
+def __getattr__(name):
+    if name in PUBLIC:
+        load_all()
+        return getattr(importlib.import_module(f"{__name__}.{PUBLIC[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *PUBLIC])
+
+
+def main(argv=None):
+    "The `minfer` command: every chapter loaded (each brings its subcommands and switches), then chapter 07c's CLI."
+    load_all()
+    return importlib.import_module(f"{__name__}.cli").main(argv)

@@ -358,7 +358,6 @@ class CpuAttention(PagedAttention):
     sequence's blocks in place, in fp32 (a row with its own key list, a token tree's node, through `decode_tables`).
     Prefill chunks and mixed steps use chapter 03's path."""
     devices, dtypes = ("cpu",), ("float32", "bfloat16")  # and a C++ compiler (`can_fuse`)
-    kv_dtypes = ("auto",)  # a pool of the model's dtype (chapter 09 adds its int8 pool)
     def __call__(self, layer, q, k, v, **window_softcap):
         if window_softcap: return super().__call__(layer, q, k, v, **window_softcap)  # chapter 03's path (12a)
         m, (k_pool, v_pool) = self.meta, (self.cache.k[layer], self.cache.v[layer])
@@ -376,4 +375,4 @@ class CpuAttention(PagedAttention):
             out.data_ptr(), q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[2] ** -0.5)
         return out
 
-ATTENTION_BACKENDS["cpu"] = CpuAttention  # attention="cpu" (chapter 03's registry)
+ATTENTION_BACKENDS.register("cpu", CpuAttention)  # attention="cpu" (chapter 03's registry)

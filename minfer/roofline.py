@@ -282,11 +282,11 @@ class Ledger:
 # %% ../nbs/00b_roofline.ipynb #7ff3013e
 import json, re
 from pathlib import Path
+from .model import source_root
 
 def scoreboard_path():
     "`benchmarks/scoreboard.json` of the source checkout minfer runs from."
-    import minfer
-    return Path(minfer.__file__).resolve().parent.parent / "benchmarks" / "scoreboard.json"
+    return source_root() / "benchmarks" / "scoreboard.json"
 
 @dataclass(frozen=True)
 class ScorePoint:

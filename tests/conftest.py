@@ -1,5 +1,10 @@
 import gc, os
 import pytest, torch
+import minfer
+
+# the tests use minfer as a library user does (`from minfer import LLM`): every chapter loaded, every entry registered;
+# tests/test_one_idea.py checks in fresh processes that a chapter alone loads nothing after it
+minfer.load_all()
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)  # two workers on two cores: one thread each avoids oversubscription

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest, torch
 if not torch.cuda.is_available(): os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-from minfer.paged import KV_FORMATS, kv_cache_from_budget, kv_token_bytes
+from minfer.paged import KV_FORMATS, KV_READERS, attention_backend, kv_cache_from_budget, kv_token_bytes
 from minfer.kvquant import (QuantizedKVCache, Int4KVCache, kv_quality, key_rotation, KVFormat,
                             kv_logprobs, pack_int4, unpack_int4)
 from minfer.paged import PagedKVCache, PagedAttention, BlockTable, build_batch_meta
@@ -174,6 +174,7 @@ def test_fp8_within_its_bound_on_two_texts_and_rotation_pays(model, tokenizer, q
     not rotated (measured 0.78 and 0.80 of it here; 0.64 and 0.70 on 1,024 tokens)."""
     from minfer.awq import text_path
     monkeypatch.setitem(KV_FORMATS, "fp8_plain", KVFormat("fp8_plain", torch.float8_e4m3fn, 448.0))
+    monkeypatch.setitem(KV_READERS, ("torch", "fp8_plain"), PagedAttention)
     ids = tokenizer.encode(text_path(text).read_text())[:256]
     q = kv_quality(model, ids, ["fp8_plain"] + ([] if text == "evaluation.txt" else ["fp8"]))
     fp8 = quality["fp8"] if text == "evaluation.txt" else q["fp8"]
@@ -189,7 +190,7 @@ def triton_int8_decode_case(dtype, device, lens, H=2, Hq=6, D=16, bs=4, num_spli
     Triton kernel with this chapter's loader (through the backend `attention="triton"`, or `decode_attention_8bit` with
     `num_splits`) vs attend on K/V quantized and dequantized by the format's own PyTorch functions."""
     from minfer.kvquant import decode_attention_8bit
-    from minfer.paged import ATTENTION_BACKENDS
+    from minfer.paged import KV_READERS
     from minfer.model import attend
     g = torch.Generator().manual_seed(seed)
     cfg = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=H, head_dim=D)
@@ -210,7 +211,7 @@ def triton_int8_decode_case(dtype, device, lens, H=2, Hq=6, D=16, bs=4, num_spli
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     if num_splits is None:  # through the backend's decode path, which turns q where keys are stored rotated (fp8)
         meta = SimpleNamespace(max_seqlen_q=1, seq_lens=seq_lens, block_tables=bt)
-        out = ATTENTION_BACKENDS["triton"](None).attention(q.to(device, dtype), kc, vc, meta)
+        out = KV_READERS[("triton", kv_dtype)](None).attention(q.to(device, dtype), kc, vc, meta)
     else:
         out = decode_attention_8bit(q.to(device, dtype), kc, vc, bt, seq_lens, num_splits=num_splits)
     # the reference: the format's own PyTorch quantize/dequantize, keys turned by key_rotation and back for fp8
@@ -399,7 +400,7 @@ def test_int4_paged_attention_equals_the_position_rule_reference(chunks, dtype, 
     cache.allocator.allocate(10)
     tables = [BlockTable(cache.allocator, b, 0, share=False) for b in ([7, 1, 4, 6], [0, 9, 3])]
     ks, vs, qs = (torch.randn(2, 13, h, 8, generator=g) for h in (2, 2, 6))
-    attn, start, outs = PagedAttention(cache), 0, [[], []]
+    attn, start, outs = attention_backend("torch", cache), 0, [[], []]
     for c in chunks:
         step = [(j, min(c, n - start)) for j, n in enumerate(lens) if n > start]
         for j, n in step: tables[j].append_slots(n)
@@ -450,7 +451,6 @@ def triton_int4_decode_case(dtype, device, lens, H=2, Hq=6, D=16, bs=4, seed=0):
     ones may not), then one decode token per sequence through chapter 05a's Triton kernel with this chapter's int4
     loader (the backend `attention="triton"`) -> (out, the independent reference of the rule for each sequence's last
     position)."""
-    from minfer.paged import ATTENTION_BACKENDS
     g = torch.Generator().manual_seed(seed)
     cfg = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=H, head_dim=D)
     nblocks = sum(-(-n // bs) for n in lens) + 2
@@ -462,7 +462,7 @@ def triton_int4_decode_case(dtype, device, lens, H=2, Hq=6, D=16, bs=4, seed=0):
         nb = -(-n // bs)
         tables.append(BlockTable(cache.allocator, ids[:nb], 0, share=False)); ids = ids[nb:]
         ks.append(torch.randn(n, H, D, generator=g)); vs.append(torch.randn(n, H, D, generator=g))
-    ref_attn = PagedAttention(cache)
+    ref_attn = attention_backend("torch", cache)
     for t, k, v, n in zip(tables, ks, vs, lens):
         for s in range(0, n - 1, 3):  # the prompt, in chunks of 3 (chapter 03's path)
             e = min(s + 3, n - 1)
@@ -472,7 +472,7 @@ def triton_int4_decode_case(dtype, device, lens, H=2, Hq=6, D=16, bs=4, seed=0):
                      v[s:e].to(device, dtype))
     for t in tables: t.append_slots(1)
     q = torch.randn(len(lens), Hq, D, generator=g)
-    attn = ATTENTION_BACKENDS["triton"](cache)
+    attn = attention_backend("triton", cache)
     attn.meta = build_batch_meta([(t, n - 1, 1) for t, n in zip(tables, lens)], bs, device)
     out = attn(0, q.to(device, dtype), torch.stack([k[-1] for k in ks]).to(device, dtype),
                torch.stack([v[-1] for v in vs]).to(device, dtype))
@@ -506,8 +506,8 @@ def test_triton_backend_reads_quantized_pools_like_the_reference(kv_dtype):
     chunk: chapter 03's path) and a decode step (chapter 05a's kernel with this chapter's loaders), fp32."""
     if torch.cuda.is_available(): pytest.skip("runs in Triton's interpreter (fp32, small shapes)")
     from minfer.kvquant import QuantizedTritonAttention
-    from minfer.paged import ATTENTION_BACKENDS
-    assert ATTENTION_BACKENDS["triton"] is QuantizedTritonAttention and kv_dtype in QuantizedTritonAttention.kv_dtypes
+
+    assert issubclass(KV_READERS[("triton", kv_dtype)], QuantizedTritonAttention)
     cfg = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=2, head_dim=16)
     steps = [[(0, 0, 9)], [(0, 9, 1), (1, 0, 6)], [(0, 10, 1), (1, 6, 1)]]  # (sequence, tokens before, new tokens)
     g = torch.Generator().manual_seed(0)
@@ -518,7 +518,7 @@ def test_triton_backend_reads_quantized_pools_like_the_reference(kv_dtype):
                  else QuantizedKVCache(cfg, 8, 4, kv_dtype=kv_dtype))
         cache.allocator.allocate(8)
         tables = [BlockTable(cache.allocator, blocks, 0, share=False) for blocks in ([5, 2, 7], [0, 3])]
-        attn, rows, outs[backend] = ATTENTION_BACKENDS[backend](cache), iter(data), []
+        attn, rows, outs[backend] = attention_backend(backend, cache), iter(data), []
         for step in steps:
             for j, _, n in step: tables[j].append_slots(n)
             attn.meta = build_batch_meta([(tables[j], start, n) for j, start, n in step], 4)

@@ -1,7 +1,7 @@
 """The course never leans forward: no notebook imports a module that a later notebook exports, and `minfer/` has no
 import circle. Every import counts: at the top of a module, inside a function, through `importlib.import_module` and
-as a "minfer.x" string (a lazy path). `minfer/__init__.py` is the one exception: it imports every chapter so that
-`import minfer` sees every registry's entries."""
+as a "minfer.x" string (a lazy path). `minfer/__init__.py` is the one exception: its public names load every chapter
+so that `from minfer import LLM` sees every registry's entries."""
 import ast, json, re
 from pathlib import Path
 
@@ -26,8 +26,8 @@ def module_chapters():
 def package_names():
     "{name: module} for what `minfer/__init__.py` re-exports (`from minfer import LLM` means `minfer.llm`)."
     tree = ast.parse((PKG / "__init__.py").read_text())
-    return {a.asname or a.name: n.module for n in ast.walk(tree)
-            if isinstance(n, ast.ImportFrom) and n.level == 1 and n.module for a in n.names}
+    public, = [n.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "PUBLIC"]
+    return ast.literal_eval(public)
 
 
 def imported_modules(source, package_level=False):
@@ -61,7 +61,7 @@ def notebook_code(nb):
 
 def test_every_module_comes_from_a_notebook():
     exported = module_chapters()
-    assert set(exported) == {p.stem for p in PKG.glob("*.py")} - {"__init__", "_modidx"}
+    assert set(exported) == {p.stem for p in PKG.glob("*.py")} - {"__init__", "__main__", "_modidx"}
     assert set(exported.values()) <= {p.stem for p in chapters()}
 
 
