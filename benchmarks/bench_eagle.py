@@ -22,7 +22,7 @@ from pathlib import Path
 
 from minfer.llm import LLM
 from minfer.sequence import SamplingParams
-from minfer.engine import SPECULATORS, speculative_config
+from minfer.speculative import SPECULATORS, speculative_config
 from minfer.eagle import default_head_dir, tree_depths
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -13,7 +13,7 @@ import torch
 from minfer.llm import LLM
 from minfer.model import data_dir
 from minfer.sequence import SamplingParams
-from minfer.engine import SPECULATORS, speculative_config
+from minfer.speculative import SPECULATORS, speculative_config
 from minfer.roofline import measure_bandwidth, weight_bytes_per_step
 
 sys.path.insert(0, str(Path(__file__).parent))

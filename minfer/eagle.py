@@ -27,7 +27,8 @@ from .paged import ATTENTION_BACKENDS, KV_FORMATS, PagedKVCache, BlockTable, Out
 from .sampling import sample, sampling_probs, logprob_entries
 from .flash import split_kv_decode, load_kv_tile
 from .sequence import SamplingParams
-from .engine import SPECULATORS, CONFIG_RULES, Rule, root_paths
+from .engine import CONFIG_RULES, Rule, root_paths
+from .speculative import SPECULATORS
 from .speculative import Speculator, step_bytes
 from .cli import COMMANDS, Command
 from .llm import LLM
@@ -518,12 +519,7 @@ class EagleSpeculator(Speculator):
         check_head_folder(folder, ModelConfig.from_folder(model_folder), str(model_folder))
         return replace(spec, model=str(folder))
 
-SPECULATORS["eagle"] = EagleSpeculator
-CONFIG_RULES.append(Rule(
-    ("speculative", "tensor_parallel_size"),
-    lambda c: c.speculative is not None and c.speculative.method == "eagle" and c.tensor_parallel_size > 1,
-    lambda c: f"speculative='eagle' reads the target's hidden states in this process; tensor_parallel_size="
-              f"{c.tensor_parallel_size} runs the model in worker processes: use one of them"))
+SPECULATORS.register("eagle", EagleSpeculator)
 
 # %% ../nbs/10b_eagle.ipynb #t1aa5fe
 def tree_children(parents):

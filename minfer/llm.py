@@ -10,14 +10,14 @@ __all__ = ['Completion', 'RequestOutput', 'LLM', 'generate', 'add_request', 'ste
 
 # %% ../nbs/07a_llm.ipynb #83c7b6b6
 import argparse, time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from .model import ModelConfig, Tokenizer
 from .sequence import SamplingParams, Sequence
 from .sampling import make_constraint
-from .engine import EngineConfig, build_model, build_engine, worker_engine
+from .engine import SWITCHES, EngineConfig, build_model, build_engine, worker_engine
 from .cpu_step import StepLlama
 from .roofline import decode_bytes_per_token
 
@@ -51,12 +51,9 @@ class RequestOutput:
 # %% ../nbs/07a_llm.ipynb #ff59751f
 class LLM:
     """Load a model folder and generate text. `LLM()` uses the embedded default model (SmolLM2-135M-Instruct).
-    Keyword arguments are `EngineConfig`'s fields (chapter 06b): every switch and limit, "auto" resolved for here."""
+    Keyword arguments are the engine's switches (chapter 06b's `SWITCHES`): every switch and limit, "auto" resolved
+    for here."""
     def __init__(self, model=None, **switches):
-        names = [f.name for f in fields(EngineConfig)]
-        unknown = sorted(set(switches) - set(names))
-        if unknown:
-            raise ValueError(f"unknown switch {unknown[0]!r}; allowed: {', '.join(n for n in names if n != 'model')}")
         self.config = EngineConfig(model=model, **switches).resolve()
         self.model_dir = Path(self.config.model)
         self.model_config = ModelConfig.from_folder(self.model_dir)
@@ -82,12 +79,13 @@ class LLM:
     def __getattr__(self, name):
         "The resolved switches read as attributes too: `llm.dtype`, `llm.kernels`, ... (what runs, not what was asked)."
         config = self.__dict__.get("config")
-        if config is not None and name in {f.name for f in fields(config)}: return getattr(config, name)
+        if config is not None and name in SWITCHES:
+            return getattr(config, name)
         raise AttributeError(f"'LLM' object has no attribute {name!r}")
 
     def __repr__(self):
         c = self.config
-        return "LLM(" + ", ".join(f"{f.name}={getattr(c, f.name)!r}" for f in fields(c)) + ")"
+        return "LLM(" + ", ".join(f"{name}={value!r}" for name, value in c.items()) + ")"
 
     @property
     def max_model_len(self): return self.model_config.max_position_embeddings
@@ -268,14 +266,15 @@ def decode_breakdown(llm, prompt="Once upon a time", max_tokens=128):
 
 # %% ../nbs/07a_llm.ipynb #544e6136
 def add_engine_args(p):
-    "One flag per `EngineConfig` field (`--kv`, `--max-num-seqs`, `--prefix-cache` / `--no-prefix-cache`, ...)."
-    for f in fields(EngineConfig):
-        flag, choices = "--" + f.name.replace("_", "-"), f.metadata["choices"]
-        choices = choices() if callable(choices) else choices
-        help = f.metadata["help"] + (f"; one of: {', '.join(map(str, choices))}" if choices else "")
-        if f.type is bool: p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help)
-        else: p.add_argument(flag, type=int if f.type is int else None, default=f.default, help=help)
+    "One flag per engine switch (`--kv`, `--max-num-seqs`, `--prefix-cache` / `--no-prefix-cache`, ...)."
+    for s in SWITCHES.values():
+        flag, choices = "--" + s.name.replace("_", "-"), s.allowed()
+        help = s.help + (f"; one of: {', '.join(map(str, choices))}" if choices else "")
+        if s.type is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=s.default, help=help)
+        else:
+            p.add_argument(flag, type=int if s.type is int else None, default=s.default, help=help)
 
 def engine_switches(args):
-    "The `EngineConfig` fields of parsed arguments, as `LLM(**...)` takes them."
-    return {f.name: getattr(args, f.name) for f in fields(EngineConfig)}
+    "The engine switches of parsed arguments, as `LLM(**...)` takes them."
+    return {name: getattr(args, name) for name in SWITCHES}

@@ -470,7 +470,7 @@ class APIKeyCheck:
 
 def running_switches(llm):
     "The switches the engine runs with (its `EngineConfig`, every 'auto' resolved), for /health and the chat page."
-    return {f.name: getattr(llm.config, f.name) for f in dataclasses.fields(llm.config) if f.name != "model"}
+    return {name: value for name, value in llm.config.items() if name != "model"}
 
 class OpenAIServer:
     """An OpenAI-compatible HTTP API over one `LLM`; `.app` is the ASGI app (serve it with uvicorn). With `api_key`,

@@ -3,13 +3,13 @@ allowed value, set alone, the config resolves keeping the value, or refuses beca
 compiler) or the model folder, never because of another "auto"; for pairs of values, a refusal names a conflict
 between the two; no refusal suggests "auto". The resolved defaults are the fastest switches, as before."""
 import os, re
-from dataclasses import fields
 import pytest, torch
 
-from minfer.engine import EngineConfig, CONFIG_RULES, SpeculativeConfig
+from minfer.engine import EngineConfig, SWITCHES, config_rules
+from minfer.speculative import SpeculativeConfig
 from minfer.cpu_kernels import cxx_compiler
 
-SWITCHES = ("kv", "dtype", "device", "weights", "kernels", "attention", "kv_dtype", "speculative", "pd_split",
+PAIRED = ("kv", "dtype", "device", "weights", "kernels", "attention", "kv_dtype", "speculative", "pd_split",
             "prefix_cache", "chunked_prefill", "tensor_parallel_size")
 
 # why a value set alone may still be refused here: this machine, or what the model folder holds
@@ -18,9 +18,8 @@ MACHINE_OR_FOLDER = [r"no CUDA device", r"C\+\+ compiler", r"Triton's interprete
 
 
 def values(f):
-    "The values a user may give field `f` (every allowed one where the field has a list)."
-    choices = f.metadata["choices"]
-    choices = choices() if callable(choices) else choices
+    "The values a user may give switch `f` (every allowed one where the switch has a list)."
+    choices = f.allowed()
     if choices is not None: return [v for v in choices if v != "auto"]
     if f.type is bool: return [True, False]
     if f.name == "tensor_parallel_size": return [1, 2, 3, 4]  # 4 does not split SmolLM2's 3 KV heads
@@ -38,7 +37,7 @@ def kept(resolved, name, value):
     return got == value
 
 
-SINGLE = [(f.name, v) for f in fields(EngineConfig) for v in values(f)]
+SINGLE = [(f.name, v) for f in SWITCHES.values() for v in values(f)]
 
 
 @pytest.mark.parametrize("name,value", SINGLE, ids=[f"{n}={v!r}"[:40] for n, v in SINGLE])
@@ -55,7 +54,7 @@ def test_one_value_set_alone_resolves_or_the_machine_refuses(name, value):
         assert getattr(resolved, auto) != "auto"
 
 
-PAIR_VALUES = [(f.name, v) for f in fields(EngineConfig) if f.name in SWITCHES and f.name != "device"
+PAIR_VALUES = [(f.name, v) for f in SWITCHES.values() if f.name in PAIRED and f.name != "device"
                for v in values(f) if not isinstance(v, dict)]
 PAIRS = [(a, b) for i, a in enumerate(PAIR_VALUES) for b in PAIR_VALUES[i + 1:] if a[0] != b[0]]
 
@@ -115,8 +114,8 @@ def test_a_conflict_between_explicit_values_is_one_line_naming_both():
 
 def test_every_rule_reads_what_it_says():
     "A rule that reads a field it does not declare could be checked before `resolve` decides that field."
-    names = {f.name for f in fields(EngineConfig)}
-    for rule in CONFIG_RULES:
+    names = set(SWITCHES)
+    for rule in config_rules():
         assert rule.reads and set(rule.reads) <= names, rule.reads
         src = rule.refuses.__code__.co_names + rule.message.__code__.co_names
         used = {n for n in src if n in names} - {"model"}

@@ -87,7 +87,7 @@ def pool(model, blocks, block_size=16, kv_dtype="auto", max_seqs=64):
 def test_batch_equals_solo(model, tokenizer, budget, blocks, block_size, kv_dtype):
     prompts = [tokenizer.encode(t) for t in TEXTS]
     eng = LLMEngine(model, block_size=block_size, kv_cache_bytes=pool(model, blocks, block_size, kv_dtype),
-                    max_num_batched_tokens=budget, kv_dtype=kv_dtype)
+                    max_num_batched_tokens=budget, kv_format=kv_dtype)
     assert eng.cache.num_blocks == blocks
     seqs = [greedy(p, 10, tokenizer) for p in prompts]
     for s in seqs: eng.add(s)
@@ -101,7 +101,7 @@ def test_batch_equals_solo(model, tokenizer, budget, blocks, block_size, kv_dtyp
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_prefix_cache_hits_give_same_tokens(model, tokenizer, kv_dtype):
-    eng = LLMEngine(model, max_num_batched_tokens=64, prefix_cache=True, kv_dtype=kv_dtype)
+    eng = LLMEngine(model, max_num_batched_tokens=64, prefix_cache=True, kv_format=kv_dtype)
     system = tokenizer.encode("You are a helpful assistant. Answer briefly and precisely, in one sentence. " * 3)
     base = system + tokenizer.encode("What is the capital of France?")
     cases = [base, base, base[:len(base) - 3], base + tokenizer.encode(" And of Spain?"), system + tokenizer.encode("Name a color.")]
@@ -122,7 +122,7 @@ def test_prefix_cache_reports_cached_tokens(model, tokenizer):
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_abort_frees_blocks_others_unaffected(model, tokenizer, kv_dtype):
-    eng = LLMEngine(model, max_num_batched_tokens=16, kv_dtype=kv_dtype)
+    eng = LLMEngine(model, max_num_batched_tokens=16, kv_format=kv_dtype)
     seqs = [greedy(tokenizer.encode(t), 12, tokenizer) for t in TEXTS[:5]]
     for s in seqs: eng.add(s)
     eng.step(); eng.abort(seqs[1].id)  # running (mid-prefill)
@@ -143,7 +143,7 @@ def test_bad_request_refused_alone(model, tokenizer):
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_forks_share_prompt_blocks(model, tokenizer, kv_dtype):
     "n samples of one prompt: the prompt's blocks are shared (copy-on-write), greedy samples all equal the solo output."
-    eng = LLMEngine(model, kv_dtype=kv_dtype)
+    eng = LLMEngine(model, kv_format=kv_dtype)
     ids = tokenizer.encode("The quick brown fox jumps over the lazy dog and then " * 3)
     parent, forks = greedy(ids, 8, tokenizer), [greedy(ids, 8, tokenizer) for _ in range(3)]
     eng.add(parent, forks=forks)
@@ -196,7 +196,7 @@ def test_random_arrivals_and_aborts(model, tokenizer, data):
     kv_dtype = data.draw(st.sampled_from(KV_DTYPES), "kv_dtype")
     seqs = data.draw(st.integers(1, 6))
     eng = LLMEngine(model, block_size=4, kv_cache_bytes=pool(model, blocks, 4, kv_dtype, seqs), max_num_batched_tokens=budget,
-                    prefix_cache=prefix, max_num_seqs=seqs, kv_dtype=kv_dtype)
+                    prefix_cache=prefix, max_num_seqs=seqs, kv_format=kv_dtype)
     pending = [greedy(tokenizer.encode(TEXTS[data.draw(st.integers(0, len(TEXTS) - 1))]), data.draw(st.integers(1, 5)), tokenizer) for _ in range(data.draw(st.integers(1, 6)))]
     added, aborted = [], set()
     for _ in range(200):

@@ -118,8 +118,8 @@ def test_copy_on_write_and_transfers_move_codes_and_scales(kv_dtype):
     (dict(kv_dtype="int3"), "kv_dtype='int3' is not supported"),
     (dict(kv_dtype="int4", attention="cpu"), "attention='cpu' does not read kv_dtype='int4'"),
     (dict(kv_dtype="int4", kernels="step"), "kernels='step' reads K/V in the model's dtype"),
-    (dict(kv_dtype="int4", speculative="ngram"), "speculative decoding cannot roll back"),
-    (dict(kv_dtype="int4", pd_split=True), "pd_split does not send"),
+    (dict(kv_dtype="int4", speculative="ngram"), "cannot drop a rejected guess's KV"),
+    (dict(kv_dtype="int4", pd_split=True), "residual window it does not send"),
 ])
 def test_combinations_a_backend_cannot_run_are_refused_in_one_line(model_dir, switches, message):
     with pytest.raises(ValueError, match=message) as e: EngineConfig(model_dir, **switches).resolve()

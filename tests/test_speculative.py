@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest, torch
 from hypothesis import given, settings, HealthCheck, strategies as st
 
-from minfer.engine import LLMEngine, EngineConfig, SpeculativeConfig
+from minfer.engine import LLMEngine, EngineConfig
+from minfer.speculative import SPECULATORS, SpeculativeConfig
 from minfer.llm import LLM
 from minfer.sequence import Sequence, SamplingParams
 from minfer.speculative import ngram_propose, rejection_sample, speculation_lengths, expected_tokens, step_time
@@ -37,9 +38,12 @@ def test_ngram_vllm_rule(tokens, k, lo, hi, want):
 
 # ---- greedy: the same tokens as decoding without speculation -------------------------------------------------
 def spec_engine(model, k=4, blocks=200, block_size=16, budget=256, adaptive=False, **kw):
-    return LLMEngine(model, block_size=block_size, kv_cache_bytes=pool(model, blocks, block_size),
-                     max_num_batched_tokens=budget, speculative=SpeculativeConfig("ngram", k, 2, 4, adaptive=adaptive),
-                     **kw)
+    "An engine with prompt lookup attached, as the `speculative` switch attaches it (chapter 10a)."
+    engine = LLMEngine(model, block_size=block_size, kv_cache_bytes=pool(model, blocks, block_size),
+                       max_num_batched_tokens=budget, **kw)
+    spec = SpeculativeConfig("ngram", k, 2, 4, adaptive=adaptive)
+    engine.runner.speculator = SPECULATORS["ngram"](spec, engine)
+    return engine
 
 @pytest.mark.parametrize("k,budget,blocks,block_size", [(4, 256, 200, 16), (1, 256, 200, 16), (8, 7, 200, 16),
                                                         (4, 24, 14, 4), (8, 64, 60, 2)],
@@ -287,7 +291,7 @@ def test_a_probe_comes_where_the_prior_rate_would_earn_a_guess():
     """A request whose rate says no guesses is probed with one guess every 16 tokens only where a request with the
     prior rate would get that guess in this step: alone it is, in a batch of 8 on the measured curve it is not."""
     from minfer.speculative import Speculator, PRIOR_ALPHA
-    from minfer.engine import SpeculativeConfig
+    from minfer.speculative import SpeculativeConfig
     class Recorder:
         cheap, pass_cost = False, 0.0
         def __init__(self): self.ks = None
