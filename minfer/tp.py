@@ -138,7 +138,7 @@ def signed_loads(secret, number, data):
     `ForgedMessage` in one line, having unpickled nothing."""
     tag, payload = data[:32], data[32:]
     if not hmac.compare_digest(tag, sign(secret, number, payload)):
-        raise ForgedMessage(f"message {number} is not signed with this launch's secret: refused without unpickling it")
+        raise ForgedMessage(f"message {number} is not signed with this launch's secret: refused, not unpickled")
     return pickle.loads(payload)
 
 def worker_secret():
@@ -148,9 +148,9 @@ def worker_secret():
     except ValueError:
         secret = b""
     if len(secret) < 16:
-        raise ValueError(f"{SECRET_ENV} must hold one secret of at least 32 hex digits, the same on every rank (e.g. "
-                         f"`export {SECRET_ENV}=$(python -c 'import secrets; print(secrets.token_hex(32))')`): rank 0 "
-                         "signs its messages with it and a rank unpickles nothing unsigned")
+        raise ValueError(f"{SECRET_ENV} must hold one secret of at least 32 hex digits, the same on every rank "
+                         f"(e.g. `export {SECRET_ENV}=$(python -c 'import secrets; print(secrets.token_hex(32))')`): "
+                         "rank 0 signs its messages with it and a rank unpickles nothing unsigned")
     return secret
 
 class RankGroup:
@@ -172,8 +172,8 @@ class RankGroup:
         return t
 
     def broadcast(self, obj=None, wait=None):
-        """Rank 0: send `obj`; the others: return it. Its size goes first, then its tag and pickle. `wait`: how long the
-        others wait for the size (a timedelta; None: the group's timeout; `FOREVER` for a rank waiting for work)."""
+        """Rank 0: send `obj`; the others: return it. Its size goes first, then its tag and pickle. `wait`: how long
+        the others wait for the size (a timedelta; None: the group's timeout; `FOREVER`: a rank waiting for work)."""
         start, root, first = time.perf_counter(), dist.BroadcastOptions(), dist.BroadcastOptions()
         root.rootRank = first.rootRank = 0
         if wait is not None:
@@ -260,10 +260,10 @@ def _threads(world):
 
 def rank_main(rank, world, host, port, secret, timeout=60.0, start_timeout=300.0):
     """A rank other than 0: join rank 0's store (`host`:`port`) and the group, take the config and the pool's size
-    from rank 0, build this rank's slice and its KV pool, then run every forward rank 0 runs, on the same inputs, until
-    told to stop. Between steps it waits without a bound; it leaves when its parent dies (`watch_parent`). Exits with
-    0 on "stop", 1 when rank 0 or another rank is gone (its collective fails) or a message is not signed with
-    `secret`."""
+    from rank 0, build this rank's slice and its KV pool, then run every forward rank 0 runs, on the same inputs,
+    until told to stop. Between steps it waits without a bound; it leaves when its parent dies (`watch_parent`).
+    Exits with 0 on "stop", 1 when rank 0 or another rank is gone (its collective fails) or a message is not signed
+    with `secret`."""
     watch_parent()
     torch.set_num_threads(_threads(world))
     starting = datetime.timedelta(seconds=start_timeout)
