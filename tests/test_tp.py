@@ -193,10 +193,11 @@ def test_a_dead_rank_ends_requests_with_an_error(model_dir):
 
 def test_two_machines_from_torchrun_environment(reference):
     """Rank 1 started on its own (`minfer worker`, as torchrun would on another machine), rank 0 from a script with the
-    same environment, both on 127.0.0.2 (another loopback address than the engine's own default)."""
+    same environment (the launch's secret too), both on 127.0.0.2 (another loopback address than the engine's own
+    default)."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.2", "MASTER_PORT": str(port),
-           "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
+           "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1", "MINFER_WORKER_SECRET": os.urandom(32).hex()}
     script = textwrap.dedent("""
         import minfer.tp
         from minfer import LLM, SamplingParams
@@ -206,8 +207,8 @@ def test_two_machines_from_torchrun_environment(reference):
         print(llm.generate("The capital of France is", SamplingParams(max_tokens=12, ignore_eos=True), raw=True)[0].token_ids)
         llm.close()
     """)
-    worker = subprocess.Popen([sys.executable, "-c", "import sys, minfer.cli; sys.exit(minfer.cli.main(['worker']))"],
-                              env={**env, "RANK": "1"}, stderr=subprocess.PIPE, text=True)
+    worker = subprocess.Popen([sys.executable, "-m", "minfer", "worker"], env={**env, "RANK": "1"},
+                              stderr=subprocess.PIPE, text=True)
     try:
         front = subprocess.run([sys.executable, "-c", script], env={**env, "RANK": "0"}, capture_output=True, text=True,
                                timeout=300)
@@ -248,7 +249,8 @@ def test_what_cannot_split_is_refused_in_one_line(switches, words):
 def test_serve_tensor_parallel_and_sigterm_leave_no_rank():
     "`minfer serve --tensor-parallel-size 2` answers over HTTP; SIGTERM to the server leaves no rank behind."
     import httpx, psutil, re, threading
-    cmd = [sys.executable, "-m", "minfer.serve", "--host", "127.0.0.1", "--port", "0", "--tensor-parallel-size", "2"]
+    cmd = [sys.executable, "-m", "minfer", "serve", "--host", "127.0.0.1", "--port", "0",
+           "--tensor-parallel-size", "2"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     try:
