@@ -174,7 +174,12 @@ def prepare(self, prompts, params=None, chat=False, raw=None):
         except ValueError as e:
             raise RequestError(str(e), "params") from None
         constraint = self._constraint(sp)
-        ids = self.tokenizer.encode(self._render_chat([{"role": "user", "content": text}]) if wrap else text)
+        rendered = self._render_chat([{"role": "user", "content": text}]) if wrap else text
+        try:
+            rendered.encode()
+        except UnicodeEncodeError:  # a lone UTF-16 surrogate ("\ud800"), which JSON can carry and text cannot
+            raise RequestError(f"prompt {i} is not valid Unicode text (it holds a lone surrogate)", "prompt") from None
+        ids = self.tokenizer.encode(rendered)
         if len(ids) >= self.max_request_tokens:
             raise RequestError(f"prompt {i} is {len(ids)} tokens; at most {self.max_request_tokens - 1} fit "
                                f"(context window {self.max_model_len}, KV pool included)", "prompt")

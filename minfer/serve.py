@@ -541,13 +541,16 @@ class EngineLoop:
         self.active = []
 
     def _refuse_all(self, reason):
-        "The thread is ending: every job in flight or still in the inbox gets a 503."
+        """The thread is ending: every job in flight or still in the inbox gets a 503, and the sequences in flight are
+        aborted, so the `LLM` is left with no work (whoever uses it next starts clean)."""
         error = APIError(f"the server cannot take requests: {reason}", None, 503, "server_error")
         waiting = []
         with contextlib.suppress(queue.Empty):
             while True:
                 waiting.append(self.inbox.get_nowait())
         for job in self.active + [job for kind, job in waiting if kind == "add"]:
+            with contextlib.suppress(Exception):
+                self.llm.abort([s for s in job.seqs if not s.finished])
             self._post(job, Event("error", error=error))
         self.active = []
         self._flush()
