@@ -117,10 +117,11 @@ class PreparedPrompt:
 
 @dataclass
 class PreparedRequest:
-    """A request `LLM.prepare` checked and compiled, for `LLM.submit`. `arrival_time` (`time.perf_counter()`) is
-    when the request arrived: its sequences' TTFT counts from it."""
+    """A request `LLM.prepare` checked and compiled, for `LLM.submit`. `arrival_time` (`time.perf_counter()`): when
+    the request arrived, for its sequences' TTFT (a server sets it to the HTTP request's arrival); None: when
+    `submit` queues it."""
     prompts: list        # of PreparedPrompt
-    arrival_time: float = field(default_factory=time.perf_counter)
+    arrival_time: float | None = None
 
     @property
     def num_seqs(self):
@@ -149,11 +150,11 @@ def _conversations(messages):
     return messages
 
 def prepare(self, prompts, params=None, chat=False, raw=None):
-    """Check a request and do its expensive work once: render chat templates, tokenize, check the context window,
-    compile the output constraint. -> `PreparedRequest`; one-line `RequestError` (a `ValueError`) for bad input.
-    Reads no engine state, so any thread may call it. `prompts`: a string or a list of them; with `chat=True`, one
-    conversation or a list of them. `params`: one `SamplingParams` for all, or one per prompt. `raw` as in
-    `generate` (text prompts only)."""
+    """Check a request and do its expensive work once: render chat templates, tokenize, check the context
+    window, compile the output constraint. -> `PreparedRequest`; one-line `RequestError` (a `ValueError`) for
+    bad input. It reads nothing the engine changes, so any thread may call it.
+    `prompts`: a string or a list of them; with `chat=True`, one conversation or a list of them.
+    `params`: one `SamplingParams` for all, or one per prompt. `raw`: as in `generate` (text prompts only)."""
     texts = [self._render_chat(c) for c in _conversations(prompts)] if chat else _as_list(prompts, "prompts")
     params = params if params is not None else SamplingParams()
     params = params if isinstance(params, list) else [params] * len(texts)
@@ -219,11 +220,13 @@ def _raw(self, raw):
 
 def health(self):
     """None while the engine can serve; else one line saying why it cannot (an engine of worker processes,
-    chapters 11 and 13, reports a worker that died)."""
+    chapters 11 and 13, reports a worker that died). A server asks from its event loop while its engine thread steps,
+    so an engine's `health()` only looks (is each worker process alive?); it never talks to the workers."""
     check = getattr(self.engine, "health", None)
     return None if check is None else check()
 
-LLM.prepare, LLM._constraint, LLM._render_chat, LLM._raw, LLM.health = prepare, _constraint, _render_chat, _raw, health
+LLM.prepare, LLM._constraint, LLM._render_chat = prepare, _constraint, _render_chat
+LLM._raw, LLM.health = _raw, health
 
 # %% ../nbs/07a_llm.ipynb #c5200462
 def submit(self, prepared):
@@ -241,7 +244,8 @@ def submit(self, prepared):
                              constraint=None if p.constraint is None else p.constraint())
                     for i in range(p.params.n)]
             for s in seqs:
-                s.metrics.arrival_time = prepared.arrival_time
+                if prepared.arrival_time is not None:
+                    s.metrics.arrival_time = prepared.arrival_time
             self.engine.add(seqs[0], forks=seqs[1:])  # on the paged engine the samples share the prompt's blocks
             groups.append(seqs)
     except BaseException:

@@ -369,7 +369,7 @@ class EngineLoop:
         self._thread.join(timeout=30)
 
     def health(self):
-        "None while requests can be served; else one line saying why not (the thread stopped, or the engine's own word)."
+        "None while requests can be served; else one line saying why not (the thread stopped, or the engine says)."
         if self.stopped is not None:
             return self.stopped
         if not self._thread.is_alive():
@@ -703,12 +703,14 @@ def carries_key(headers, api_key):
     return secrets.compare_digest(headers.get("authorization", "").encode(), f"Bearer {api_key}".encode())
 
 class RequestGate:
-    """What every request passes first, refused in OpenAI's error shape: a Host header that names no host served here
-    (421: the defence against DNS rebinding, a web page whose name its owner points at 127.0.0.1 to reach this
-    server from a browser); without the API key, when there is one, anything but the chat page and `/health` (401); a
-    POST whose body is not declared JSON (415: a page on another site may post a form or plain text without the
-    browser asking this server first, but not JSON). A plain ASGI middleware: Starlette's `BaseHTTPMiddleware` would
-    hand the app a `receive` of its own that stands between a stream and the client's disconnect (see `_client_gone`)."""
+    """What every request passes first, refused in OpenAI's error shape:
+    - a Host header that names no host served here (421: the defence against DNS rebinding, a web page whose name
+      its owner points at 127.0.0.1 to reach this server from a browser);
+    - without the API key, when there is one, anything but the chat page and `/health` (401);
+    - a POST whose body is not declared JSON (415: a page on another site may have a browser post a form or plain
+      text without asking this server first, but not JSON).
+    A plain ASGI middleware: Starlette's `BaseHTTPMiddleware` would hand the app a `receive` of its own that stands
+    between a stream and the client's disconnect (see `_client_gone`)."""
     OPEN_PATHS = ("/", "/health")
 
     def __init__(self, app, hosts, api_key=None):
@@ -1041,7 +1043,8 @@ async function loadEngine() {
     listed = await fetch("/v1/models", {headers: withKey({})});
   }
   if (!listed.ok) throw new Error((await listed.json()).error.message);
-  const [models, health] = await Promise.all([listed.json(), fetch("/health", {headers: withKey({})}).then(r => r.json())]);
+  const health = await fetch("/health", {headers: withKey({})}).then(r => r.json());
+  const models = await listed.json();
   model = models.data[0].id;
   const switches = Object.entries(health.switches).map(([k, v]) => k + "=" + v).join(" · ");
   $("engine").textContent = model + " — " + switches;
