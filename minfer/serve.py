@@ -1221,7 +1221,7 @@ def add_serve_args(parser):
     limits = parser.add_argument_group("limits on one request")
     for f in dataclasses.fields(ServerLimits):
         limits.add_argument("--" + f.name.replace("_", "-"), type=float if f.type is float else int, default=f.default,
-                            help=f"{f.metadata['help']} (default {f.default:g})")
+                            help=f"{f.metadata['help']} (default %(default)s)")
     add_engine_args(parser.add_argument_group("engine switches"))
     return parser
 
