@@ -1259,5 +1259,9 @@ def main(argv=None):
     return serve_main(add_serve_args(parser).parse_args(argv))
 
 # %% ../nbs/07b_serve.ipynb #a6cc807b
-# a notebook's kernel also runs as __main__, but only `python -m minfer.serve` has a __file__
-if __name__ == "__main__" and "__file__" in globals(): sys.exit(main())
+# a notebook's kernel also runs as __main__, but only `python -m minfer.serve` has a __file__. Run as a program, the
+# server is the `minfer serve` command: every chapter loaded first, so every switch and registry entry is there
+if __name__ == "__main__" and "__file__" in globals():
+    import minfer
+    minfer.load_all()
+    sys.exit(main())

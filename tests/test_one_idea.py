@@ -136,10 +136,21 @@ def test_the_public_names_load_every_chapter():
     assert int(out.stdout.split()[-1]) == len(course_order()), out.stderr[-2000:]
 
 
+def is_main_guard(node):
+    "Whether `node` is `if __name__ == \"__main__\" ...:`, the block a module runs only as a program."
+    test = node.test if isinstance(node, ast.If) else None
+    tests = test.values if isinstance(test, ast.BoolOp) else [test]
+    return any(isinstance(t, ast.Compare) and isinstance(t.left, ast.Name) and t.left.id == "__name__"
+               and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in t.comparators) for t in tests)
+
+
 def imports_of_the_package_root(source):
-    "Lines of `source` (a module of the package) that import the package root: `import minfer`, `from minfer import`."
-    found = []
-    for node in ast.walk(ast.parse(source)):
+    """Lines of `source` (a module of the package) that import the package root: `import minfer`, `from minfer import`.
+    A module run as a program (its `if __name__ == "__main__":` block) is the user's entry point, as the `minfer`
+    command is, and may load every chapter."""
+    found, tree = [], ast.parse(source)
+    tree.body = [node for node in tree.body if not is_main_guard(node)]
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import) and any(a.name == "minfer" for a in node.names):
             found.append(node.lineno)
         elif isinstance(node, ast.ImportFrom) and (node.module == "minfer" and node.level == 0
@@ -153,6 +164,7 @@ def test_no_module_imports_the_package_root():
     found = {m: imports_of_the_package_root((PKG / f"{m}.py").read_text()) for m in course_order()}
     assert not {m: lines for m, lines in found.items() if lines}
     assert imports_of_the_package_root("def f():\n    import minfer\nfrom . import paged\n") == [2, 3]
+    assert imports_of_the_package_root("if __name__ == '__main__' and x:\n    import minfer\n") == []
 
 
 KNOWN_LEAKS = ROOT / "tests" / "one_idea_leaks.json"
