@@ -33,6 +33,7 @@ from .roofline import DTYPE_BYTES, param_counts
 from .cpu_kernels import build_cpu_kernels, load_kernels, _kernel
 from .cpu_step import CPU_STEP_SOURCE, STEP_CXX_FLAGS, openmp_runtimes, _STEP_ARGS
 from .cli import COMMANDS, Command
+from .llm import VLLM_ARGUMENTS
 
 # %% ../nbs/08_awq.ipynb #5321c86d
 AWQ_BITS = 4
@@ -778,6 +779,15 @@ register_weight_format(WeightFormat(
     "awq-int4", load=load_awq_model, bits=_awq_bits, detect=is_awq_folder, plain_weights=False, step_weights=True,
     stored=True, dtype="bfloat16", runs=AWQ_RUNS,
     about="AutoAWQ's GEMM format (4-bit codes, fp16 scales, 4-bit zeros per group), AWQLinear (chapter 08)"))
+
+def _vllm_quantization(value):
+    "vLLM's `quantization=`: 'awq' is this chapter's weight format; others are refused in one line."
+    if value != "awq":
+        raise ValueError(f"quantization={value!r} is not supported; minfer reads AWQ checkpoints "
+                         "(quantization='awq', or weights='awq-int4')")
+    return dict(weights="awq-int4")
+
+VLLM_ARGUMENTS.register("quantization", _vllm_quantization)
 
 def _quantize_args(p):
     p.add_argument("src", help="Hugging Face model folder to quantize")

@@ -31,7 +31,10 @@ SECRET = "the matcher's internal state, which no client should see"
 # the server, with one more output constraint: a mask that raises for sample `choice` of a request at its `at`-th draw
 LAUNCH = f'''
 import sys
+import minfer
 from minfer.sampling import STRUCTURED_OUTPUTS
+
+minfer.load_all()  # as `minfer serve` does: every chapter's entries (chapter 14's output constraints among them)
 
 class FailingConstraint:
     def __init__(self, at):
@@ -55,7 +58,7 @@ def fail_after(value, tokenizer, eos_ids, jump_forward):
         return FailingConstraint(value["at"] if len(made) - 1 == value["choice"] else None)
     return fresh
 
-STRUCTURED_OUTPUTS["test_fail_after"] = fail_after
+STRUCTURED_OUTPUTS.register("test_fail_after", fail_after)
 from minfer.serve import main
 sys.exit(main(sys.argv[1:]))
 '''
