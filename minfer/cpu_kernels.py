@@ -122,8 +122,8 @@ void paged_decode(const T* q, int64_t q_stride, const T* k, const T* v, int64_t 
     std::memcpy(k_pool + new_slots[b] * kv_row, k + b * kv_stride, kv_row * sizeof(T));
     std::memcpy(v_pool + new_slots[b] * kv_row, v + b * kv_stride, kv_row * sizeof(T));
   }
-  // every row's key slots first, then one parallel loop over (row, head) pairs: a step of several rows (a batch, a
-  // token tree) shares the threads out once per layer instead of once per row, and no thread waits on a short row
+  // every row's key slots first, then one parallel loop over (row, head) pairs: a step of several rows shares the
+  // threads out once per layer instead of once per row, and no thread waits on a short row
   std::vector<std::vector<int64_t>> slots(batch);
   for (int64_t b = 0; b < batch; ++b) {
     const int32_t* table = block_tables + b * max_blocks;
@@ -334,28 +334,27 @@ def fuse_cpu_ops(model):
 # %% ../nbs/05b_cpu_kernels.ipynb #9e898401
 def decode_tables(meta, block_size):
     """What `paged_decode` reads for `meta`'s rows, one query row each: (block tables int32 [rows, width], key counts
-    int32 [rows], block size). An entry of q rows (a speculative chain's guesses, chapter 10a) is q rows over its one
-    table, row j seeing the first len - q + 1 + j keys: causal, as the kernel writes every row's K/V before any row
-    attends. Where a row has its own key list (`meta.key_slots`: a token tree's node sees the sequence and its
-    ancestors only, chapter 10b) every row is read through blocks of one slot: the pool viewed flat, so a row's table
-    is the list of its keys' slots, and the kernel attends to exactly those."""
+    int32 [rows], block size). An entry of q rows (q new tokens of one sequence) is q rows over its one table, row j
+    seeing the first len - q + 1 + j keys: causal, as the kernel writes every row's K/V before any row attends. Where
+    a row has its own key list (`meta.row_keys`, chapter 03) every row is read through blocks of one slot: the pool
+    viewed flat, so a row's table is the list of its keys' slots, and the kernel attends to exactly those."""
     tables, lens, starts = meta.block_tables, meta.seq_lens, meta.cu_seqlens_q
     if meta.max_seqlen_q > 1:  # one table and key count per row
         per_entry = starts.diff()
         entry = torch.repeat_interleave(torch.arange(len(per_entry), device=tables.device), per_entry)
         row = torch.arange(len(entry), device=tables.device)
         tables, lens = tables[entry], (lens[entry] - per_entry[entry] + 1 + row - starts[entry]).to(torch.int32)
-    if not meta.key_slots: return tables, lens, block_size
+    if not meta.row_keys: return tables, lens, block_size
     width, tables = int(lens.max()), tables.long()
     position = torch.arange(width, device=tables.device)
     block = (position // block_size).clamp(max=tables.shape[1] - 1)  # past a row's length: padding, never read
     flat = tables[:, block] * block_size + position % block_size
-    for entry, slots in meta.key_slots.items(): flat[int(starts[entry]), :len(slots)] = slots  # a one-row entry
+    for entry, slots in meta.row_keys.items(): flat[int(starts[entry]), :len(slots)] = slots  # a one-row entry
     return flat.to(torch.int32), lens, 1
 
 class CpuAttention(PagedAttention):
     """`PagedAttention` whose decode steps are one `paged_decode` call per layer: write the new K/V, attend over each
-    sequence's blocks in place, in fp32 (a row with its own key list, a token tree's node, through `decode_tables`).
+    sequence's blocks in place, in fp32 (a row with its own key list, `row_keys`, through `decode_tables`).
     Prefill chunks and mixed steps use chapter 03's path."""
     devices, dtypes = ("cpu",), ("float32", "bfloat16")  # and a C++ compiler (`can_fuse`)
     def __call__(self, layer, q, k, v, **window_softcap):

@@ -164,7 +164,7 @@ template <typename T> struct DenseWeights {
 // kernels between the matvecs, without returning to Python in between. x [rows, hidden]: the new tokens' embeddings,
 // overwritten (it is the residual stream); cos, sin [rows, d]; per layer `weights` holds 9 pointers (input norm, qkv,
 // o, post-attention norm, gate_up, down, then chapter 12a's q/k/v bias, q norm and k norm, each null where the model
-// has none), then the final norm (null: none, chapter 10b's EAGLE head) and the LM head; k_cache, v_cache: chapter
+// has none), then the final norm (null: none) and the LM head; k_cache, v_cache: chapter
 // 03's pools,
 // layer after layer, layer_stride elements apart; logits [rows, vocab] in fp32.
 // dims: hidden, intermediate, n_q, n_kv, head_dim, layers, vocab, group (a quantized format's). The projections are
@@ -274,7 +274,6 @@ def matvec(w, x):
     y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
     _kernel("matvec", x, w, y, table=cpu_step_kernels())(w.data_ptr(), x.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], w.shape[0])
     return y
-
 
 # %% ../nbs/05c_cpu_step.ipynb #03d0d0e6
 # rows per step up to which one call beats 05b's fused ops (measured below, and by benchmarks/bench_step_rows.py: in

@@ -601,8 +601,7 @@ def verify(self, seq, logits):
     move_kv(self.cache, [s for s, _ in moves], [d for _, d in moves])
     self.accepted_paths[seq.id] = path  # the proposer files the target's features of the kept rows
     self.accepted_depths[len(path)] = self.accepted_depths.get(len(path), 0) + 1
-    m = seq.metrics
-    m.num_draft_tokens, m.num_accepted_tokens = m.num_draft_tokens + len(drafts), m.num_accepted_tokens + len(path)
+    self.record(seq, len(drafts), len(path))
     k = params.logprobs
     rows = [0] + [1 + i for i in path]
     entries = [None] * len(out) if k is None else logprob_entries(logits[rows], out, k)

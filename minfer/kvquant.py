@@ -360,7 +360,7 @@ class Int4View:
 
     def attend_chunk(self, q, v_flat, slots):
         """Causal attention of a prefill chunk: q [T, Hq, d] are the last T of the n positions at `slots` (a slice or
-        ids from `key_slots`). Every query reads the complete blocks quantized and its
+        ids from `table_slots`). Every query reads the complete blocks quantized and its
         own block, up to itself, at full precision, unless it is the block's last token (then its block is complete
         and quantized): the same as decode reads, so chunking does not change what a query sees."""
         c, bs = self.cache, self.cache.block_size

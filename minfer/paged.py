@@ -6,7 +6,7 @@ Docs: https://minfer.github.io/minfer/paged.html.md"""
 
 # %% auto #0
 __all__ = ['KV_FORMATS', 'ATTENTION_BACKENDS', 'KV_READERS', 'OutOfBlocks', 'BlockAllocator', 'BlockTable', 'BatchMeta',
-           'build_batch_meta', 'PagedKVCache', 'PagedAttention', 'key_slots', 'take', 'attention_backend',
+           'build_batch_meta', 'PagedKVCache', 'PagedAttention', 'table_slots', 'take', 'attention_backend',
            'formats_read_by', 'kv_cache_from_budget', 'kv_token_bytes', 'PagedGenerator', 'paged_generate',
            'block_holders', 'draw_block_map']
 
@@ -115,8 +115,9 @@ class BlockTable:
         return BlockTable(self.allocator, self.blocks, self.num_tokens, share=True)
 
     def truncate(self, n_tokens):
-        """Keep positions [0, n_tokens): drop the blocks wholly past it (speculative tokens the model rejected, chapter
-        09). Slots past `n_tokens` in the last kept block are simply overwritten later. -> the released block ids."""
+        """Keep positions [0, n_tokens): drop the blocks wholly past it (tokens a step computed ahead and did not
+        keep: chapter 06a's `Lookahead`). Slots past `n_tokens` in the last kept block are simply overwritten later.
+        -> the released block ids."""
         if not 0 <= n_tokens <= self.num_tokens:
             raise ValueError(f"cannot truncate {self.num_tokens} tokens to {n_tokens}")
         keep = self.allocator.blocks_needed(n_tokens)
@@ -140,16 +141,17 @@ class BatchMeta:
     max_seqlen_q: int
     max_seqlen_k: int
     rope_lens: torch.Tensor | None = None  # int64 [B]: the lengths LongRoPE picks its table by (chapter 12a), if set
-    # {entry: int64 slots}: a one-row entry that attends to exactly these keys, not to its table's first seq_lens
-    # positions (a node of a token tree sees the sequence and its own ancestors only, chapter 10b)
-    key_slots: dict | None = None
+    # {entry: int64 slots}: a one-row entry that attends to exactly these keys, in position order, instead of its
+    # table's first seq_lens positions: a row that sees a chosen subset of its sequence's keys
+    row_keys: dict | None = None
 
 def build_batch_meta(seqs, block_size, device="cpu", keys=None):
     """`BatchMeta` from one (block_table, num_cached_tokens, num_new_tokens) per sequence.
     block_table: a list of block ids or a `BlockTable`; it must already cover cached + new tokens.
-    keys: None, or per entry None or the positions (of its table) that the entry's one new row attends to."""
+    keys: None, or per entry None or the positions (of its table) that the entry's one new row attends to, in order
+    (`BatchMeta.row_keys`)."""
     tables = [list(getattr(bt, "blocks", bt)) for bt, _, _ in seqs]
-    slots, cu, lens, key_slots = [], [0], [], {}
+    slots, cu, lens, row_keys = [], [0], [], {}
     for i, (blocks, (_, c, n)) in enumerate(zip(tables, seqs)):
         if -(-(c + n) // block_size) > len(blocks): raise ValueError(f"block table of {len(blocks)} blocks cannot hold {c + n} tokens")
         slots += [blocks[p // block_size] * block_size + p % block_size for p in range(c, c + n)]
@@ -157,15 +159,15 @@ def build_batch_meta(seqs, block_size, device="cpu", keys=None):
         lens.append(c + n)
         if keys is not None and keys[i] is not None:
             if n != 1: raise ValueError(f"explicit keys are for one-row entries; entry {i} has {n} rows")
-            key_slots[i] = torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in keys[i]],
-                                        dtype=torch.int64, device=device)
+            row_keys[i] = torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in keys[i]],
+                                       dtype=torch.int64, device=device)
             lens[-1] = len(keys[i])
     width = max([len(b) for b in tables] + [1])
     bt = torch.tensor([b + [0] * (width - len(b)) for b in tables], dtype=torch.int32).reshape(len(seqs), width)
     q_lens = [b - a for a, b in zip(cu, cu[1:])]
     return BatchMeta(torch.tensor(slots, dtype=torch.int64, device=device), torch.tensor(cu, dtype=torch.int32, device=device),
                      torch.tensor(lens, dtype=torch.int32, device=device), bt.to(device),
-                     max(q_lens, default=0), max(lens, default=0), key_slots=key_slots or None)
+                     max(q_lens, default=0), max(lens, default=0), row_keys=row_keys or None)
 
 # %% ../nbs/03_paged.ipynb #c96e1446
 class PagedKVCache:
@@ -250,18 +252,18 @@ class PagedAttention:
         Prefill chunks: (first row, end row, key slots) each. Decode rows (one new token): groups of up to
         `decode_group` sequences of similar length: (rows or None for all rows in order, slot ids of g sequences x the
         longest, key mask or None).
-        Key slots index the flat pool [num_blocks * bs, kv_heads, head_dim]; see `key_slots`. bs: tokens per block.
-        A decode row with explicit keys (`meta.key_slots`, a token tree's node) reads those in place of its table's."""
-        dev, explicit = meta.block_tables.device, meta.key_slots or {}
+        Key slots index the flat pool [num_blocks * bs, kv_heads, head_dim]; see `table_slots`. bs: tokens per block.
+        A one-row entry with keys of its own (`meta.row_keys`) reads those in place of its table's."""
+        dev, explicit = meta.block_tables.device, meta.row_keys or {}
         cu, lens, tables = meta.cu_seqlens_q.tolist(), meta.seq_lens.tolist(), meta.block_tables.tolist()
-        prefill = [(cu[i], cu[i + 1], key_slots(tables[i], n, bs, dev)) for i, n in enumerate(lens) if cu[i + 1] - cu[i] > 1]
+        prefill = [(cu[i], cu[i + 1], table_slots(tables[i], n, bs, dev)) for i, n in enumerate(lens) if cu[i + 1] - cu[i] > 1]
         dec = sorted((i for i in range(len(lens)) if cu[i + 1] - cu[i] == 1), key=lambda i: lens[i])
         decode = []
         for g in (dec[j:j + self.decode_group] for j in range(0, len(dec), self.decode_group)):
             idx = torch.tensor(g, device=dev)
             rows = None if g == list(range(len(lens))) else meta.cu_seqlens_q[idx].long()  # None: every row, in order
             if len(g) == 1:  # a lone sequence needs no padding: its keys, a view where its blocks are consecutive
-                decode.append((rows, explicit.get(g[0], key_slots(tables[g[0]], lens[g[0]], bs, dev)), None))
+                decode.append((rows, explicit.get(g[0], table_slots(tables[g[0]], lens[g[0]], bs, dev)), None))
                 continue
             pos = torch.arange(lens[g[-1]], device=dev)  # sorted, so the last is the longest
             valid = pos < meta.seq_lens[idx, None]
@@ -306,8 +308,8 @@ class PagedAttention:
             plan = []
             for i, n in enumerate(lens):
                 lo = 0 if window is None else max(0, n - (cu[i + 1] - cu[i]) - window + 1)
-                # a tree node's keys (chapter 10b) are its root path, positions 0 .. its own in order: same window
-                slots = (meta.key_slots or {}).get(i, key_slots(tables[i], n, bs, q.device))
+                # a row's own keys (`row_keys`) are in position order, its own last: the window keeps the last ones
+                slots = (meta.row_keys or {}).get(i, table_slots(tables[i], n, bs, q.device))
                 slots = slice(slots.start + lo, slots.stop) if isinstance(slots, slice) else slots[lo:]
                 plan.append((cu[i], cu[i + 1], slots))
             self.window_plans[window] = plan
@@ -318,7 +320,7 @@ class PagedAttention:
             out[r0:r1] = attend(q[r0:r1], k, v, window, softcap)
         return out
 
-def key_slots(blocks, n, bs, device="cpu"):
+def table_slots(blocks, n, bs, device="cpu"):
     """Where positions [0, n) of a sequence with block ids `blocks` sit in the flat pool: a `slice` when its blocks are
     consecutive (as when one sequence grows in a fresh pool), so `take` returns a view and copies nothing; else slot ids."""
     blocks = blocks[:-(-n // bs)]
@@ -326,7 +328,7 @@ def key_slots(blocks, n, bs, device="cpu"):
     return (torch.tensor(blocks, device=device)[:, None] * bs + torch.arange(bs, device=device)).flatten()[:n]
 
 def take(flat, slots):
-    "Rows `slots` (a `slice` or an index tensor, from `key_slots`) of a flat [slots, heads, dim] pool."
+    "Rows `slots` (a `slice` or an index tensor, from `table_slots`) of a flat [slots, heads, dim] pool."
     return flat[slots] if isinstance(slots, slice) else flat.index_select(0, slots)
 
 # %% ../nbs/03_paged.ipynb #695d7d51

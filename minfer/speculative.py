@@ -6,9 +6,9 @@ Docs: https://minfer.github.io/minfer/speculative.html.md"""
 
 # %% auto #0
 __all__ = ['PRIOR_ALPHA', 'STEP_TIMES', 'PRIOR_WEIGHT', 'SPECULATORS', 'ngram_propose', 'NgramProposer', 'rejection_sample',
-           'expected_tokens', 'speculation_lengths', 'step_time', 'step_bytes', 'count_verify', 'acceptance_rate',
-           'SpeculativeConfig', 'speculative_config', 'constrained_rows', 'Speculator', 'NgramSpeculator',
-           'DraftProposer', 'DraftSpeculator']
+           'expected_tokens', 'speculation_lengths', 'step_time', 'step_bytes', 'RequestGuesses', 'count_verify',
+           'acceptance_rate', 'SpeculativeConfig', 'speculative_config', 'constrained_rows', 'Speculator',
+           'NgramSpeculator', 'DraftProposer', 'DraftSpeculator']
 
 # %% ../nbs/10a_speculative.ipynb #ec3acfc9
 import json
@@ -22,6 +22,7 @@ from .paged import ATTENTION_BACKENDS, KV_FORMATS, PagedKVCache, BlockTable, Out
 import minfer.kvquant  # chapter 09's `kv_dtype` switch, which this chapter's rules read
 from .roofline import weight_bytes_per_step
 from .sampling import sample, sampling_probs, logprob_entries
+from .sequence import REQUEST_METRICS
 
 # %% ../nbs/10a_speculative.ipynb #c3388aa6
 def ngram_propose(tokens, k, n_min=3, n_max=5):
@@ -123,21 +124,33 @@ def step_bytes(model):
 
 PRIOR_WEIGHT = 1  # the prior rate counts as this many judged guesses (a Beta prior): one rejection is not "never"
 
-def count_verify(seq, k, accepted, decay=0.8):
-    """Fold a verify of k guesses into `seq`'s running counts. Under the geometric model each guess is right with
+@dataclass(eq=False)
+class RequestGuesses:
+    """What one request's guesses have earned, kept by its `Speculator` under the sequence's id (the `Sequence` stays
+    the request's data): `accepted` and `judged`, its guesses accepted and judged, older verifies' counts decayed (its
+    running acceptance rate, for adaptive k); `made` and `kept`, every guess verified and every one kept (its
+    `acceptance_rate` metric)."""
+    seq: object
+    accepted: float = 0.0
+    judged: float = 0.0
+    made: int = 0
+    kept: int = 0
+
+def count_verify(record, k, accepted, decay=0.8):
+    """Fold a verify of k guesses into a request's running counts (`record`: its `RequestGuesses`). Under the geometric model each guess is right with
     probability α until the first wrong one: a verify shows `accepted` right guesses and, when accepted < k, one wrong
     one (the guesses after it are never judged). Right over judged, summed over the verifies with older ones weighed
     `decay` less each, is the model's maximum-likelihood α. Averaging each verify's own ratio instead reads low: at
     k = 2 a verify's ratio is 0, 1/2 or 1, and at α = 0.6 those average 0.48."""
-    seq.spec_accepted = decay * seq.spec_accepted + accepted
-    seq.spec_judged = decay * seq.spec_judged + accepted + (accepted < k)
+    record.accepted = decay * record.accepted + accepted
+    record.judged = decay * record.judged + accepted + (accepted < k)
 
-def acceptance_rate(seq, prior=PRIOR_ALPHA, weight=PRIOR_WEIGHT):
-    """`seq`'s running acceptance rate α: `count_verify`'s counts with the prior rate added as `weight` judged guesses
+def acceptance_rate(record, prior=PRIOR_ALPHA, weight=PRIOR_WEIGHT):
+    """A request's running acceptance rate α (`record`: its `RequestGuesses`): `count_verify`'s counts with the prior rate added as `weight` judged guesses
     (the mean of a Beta posterior). Without it a first verify that rejects its first guess reads 0, and the request
     stops guessing until a probe; with it, (0 + 0.6) / (1 + 1) = 0.3. One prior guess, not more: after a long run of
     rejections the rate must fall under what a guess needs alone (0.13 on this CPU) or the head guesses on forever."""
-    return (seq.spec_accepted + weight * prior) / (seq.spec_judged + weight)
+    return (record.accepted + weight * prior) / (record.judged + weight)
 
 # %% ../nbs/10a_speculative.ipynb #846dced1
 # method name -> `Speculator` class, built as cls(spec, engine) for a resolved `SpeculativeConfig`, whose
@@ -266,6 +279,20 @@ class Speculator:
     def __init__(self, config, engine):
         "config: a resolved `SpeculativeConfig`; engine: the `LLMEngine` whose sequences it guesses for."
         self.config, self.proposer = config, self.proposer_class(config, engine)
+        self.requests = {}  # sequence id -> its `RequestGuesses`, from its first guess until it finishes
+
+    def request(self, seq):
+        "`seq`'s `RequestGuesses`, made at first use."
+        if seq.id not in self.requests:
+            self.requests[seq.id] = RequestGuesses(seq)
+        return self.requests[seq.id]
+
+    def record(self, seq, made, kept):
+        "A verify of `made` guesses that kept `kept`: into `seq`'s running counts and its `acceptance_rate` metric."
+        r = self.request(seq)
+        count_verify(r, made, kept)
+        r.made, r.kept = r.made + made, r.kept + kept
+        seq.metrics.extra["acceptance_rate"] = r.kept / r.made if r.made else None
 
     def room(self, seq):
         "The most guesses `seq` may take now: k, never past its max_tokens or max_len."
@@ -273,6 +300,8 @@ class Speculator:
         return max(0, min(self.config.num_speculative_tokens, room))
 
     def propose(self, running):
+        for sid in [i for i, r in self.requests.items() if r.seq.finished]:
+            del self.requests[sid]
         seqs = [s for s in running if s.num_computed == len(s) - 1 and not s.finished]
         caps = [self.room(s) for s in seqs]
         if not self.config.adaptive: return self.proposer.propose(seqs, caps)
@@ -280,7 +309,7 @@ class Speculator:
             self.proposer.propose(seqs, caps)
             caps = [len(s.draft_ids) for s in seqs]
         # before its first verify a request is assumed to accept 60% of its guesses; that verify replaces the guess
-        alphas = [acceptance_rate(s) for s in seqs]
+        alphas = [acceptance_rate(self.request(s)) for s in seqs]
         # a proposer whose guesses are model steps (`pass_cost`, in one-row target steps per pass) has them weighed in
         ks = speculation_lengths(alphas, caps, pass_cost=self.proposer.pass_cost)
         # where the rule says no, every 16 tokens a one-guess probe, so acceptance can come back: if that prior rate
@@ -308,10 +337,7 @@ class Speculator:
             gens = [seq.token_generator(ahead=j, device=logits.device) for j in range(len(drafts) + 1)]
             q = None if seq.draft_probs is None else seq.draft_probs[:len(drafts)]
             out = rejection_sample(probs, drafts, q, gens)
-        accepted = len(out) - 1
-        m = seq.metrics
-        m.num_draft_tokens, m.num_accepted_tokens = m.num_draft_tokens + len(drafts), m.num_accepted_tokens + accepted
-        count_verify(seq, len(drafts), accepted)
+        self.record(seq, len(drafts), len(out) - 1)
         k = params.logprobs
         entries = [None] * len(out) if k is None else logprob_entries(raw[:len(out)], out, k)  # the model's own
         return [(seq, t, e) for t, e in zip(out, entries)]
@@ -321,6 +347,8 @@ class NgramSpeculator(Speculator):
     proposer_class = NgramProposer
 
 SPECULATORS.register("ngram", NgramSpeculator)
+REQUEST_METRICS.register("acceptance_rate", "guesses the target model kept / guesses it verified (chapter 10); None: "
+                                            "no guess verified")
 
 # %% ../nbs/10a_speculative.ipynb #ff55fdf6
 class DraftProposer:
