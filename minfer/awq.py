@@ -6,7 +6,7 @@ Docs: https://minfer.github.io/minfer/awq.html.md"""
 
 # %% auto #0
 __all__ = ['AWQ_BITS', 'MAX_Q', 'AWQ_ORDER', 'AWQ_REVERSE_ORDER', 'PROJECTIONS', 'AWQ_CPU_SOURCE', 'TOKENIZER_FILES', 'SUPPORTED',
-           'AWQ_RUNS', 'quantize_groups', 'dequantize_groups', 'fake_quantize', 'text_path', 'calibration_ids',
+           'AWQ_PATH', 'quantize_groups', 'dequantize_groups', 'fake_quantize', 'text_path', 'calibration_ids',
            'CausalBatch', 'capture_inputs', 'calibration_start', 'search_scale', 'search_clip', 'apply_clip',
            'awq_transform', 'pack_int4', 'unpack_int4', 'pack_awq', 'dequantize_awq', 'pack_q4x8', 'awq_cpu_kernels',
            'awq_cpu_available', 'matmul_q4x8', 'AWQLinear', 'fuse_awq', 'awq_gemm', 'quantization_config',
@@ -672,7 +672,7 @@ def quantize_folder(src, dst, method="awq", group_size=64, n_samples=16, seq_len
     if method not in ("awq", "rtn"): raise ValueError(f"method {method!r} is not supported; use 'awq' or 'rtn'")
     src, dst = Path(src), Path(dst)
     model = load_model(src, "float32")
-    check_behaviours(model.cfg, AWQ_RUNS, "AWQ quantization")
+    check_behaviours(model.cfg, AWQ_PATH, "AWQ quantization")
     for name, n in (("hidden_size", model.cfg.hidden_size), ("intermediate_size", model.cfg.intermediate_size)):
         if n % group_size: raise ValueError(f"group size {group_size} does not divide {name} {n}; try 64 or 32")
     report = None
@@ -721,7 +721,7 @@ def load_awq_model(folder, dtype="float32", device="cpu"):
     folder = Path(folder)
     cfg = ModelConfig.from_folder(folder)
     group_size = check_awq_config(folder)
-    check_behaviours(cfg, AWQ_RUNS, "weights='awq-int4'")
+    check_behaviours(cfg, AWQ_PATH)
     sd = {}
     for f in sorted(folder.glob("*.safetensors")):
         with safe_open(f, framework="pt") as st:
@@ -766,8 +766,9 @@ def awq_bytes_per_token(cfg, group_size=64, dtype="bfloat16"):
     return (p["attention"] + p["mlp"]) * per_weight + (p["norms"] + lm_head) * DTYPE_BYTES[dtype]
 
 # %% ../nbs/08_awq.ipynb #a6a6f002
-# what of chapter 12a's behaviours AWQ runs (its scales fold into plain norms and bias-free projections): LongRoPE
-AWQ_RUNS = ("longrope",)
+# AWQ runs none of a model's `BEHAVIOURS` (its scales fold into plain norms and bias-free projections): a later
+# chapter whose behaviour it runs pairs it with this path
+AWQ_PATH = "weights='awq-int4'"
 
 def _awq_bits(dtype, group_size=64):
     "Bits a decode step streams per projection weight: 4, plus an fp16 scale and a 4-bit zero per group (of 64)."
@@ -777,7 +778,7 @@ register_weight_format(WeightFormat(
     # bf16 by default: one row reads bf16 weights (the LM head), several rows run in fp32 (`load_awq_model`);
     # step_weights: chapter 05c's one-call decode step reads the codes, repacked by `AWQLinear.q4_weights`
     "awq-int4", load=load_awq_model, bits=_awq_bits, detect=is_awq_folder, plain_weights=False, step_weights=True,
-    stored=True, dtype="bfloat16", runs=AWQ_RUNS,
+    stored=True, dtype="bfloat16", runs_all=False,
     about="AutoAWQ's GEMM format (4-bit codes, fp16 scales, 4-bit zeros per group), AWQLinear (chapter 08)"))
 
 def _vllm_quantization(value):

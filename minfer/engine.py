@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 import torch
 from .model import (DTYPES, WEIGHT_FORMATS, Registry, load_model, default_model_dir, check_model_folder,
-                          ModelConfig)
+                          ModelConfig, refused_behaviours)
 from .paged import (ATTENTION_BACKENDS, KV_FORMATS, attention_backend, build_batch_meta, formats_read_by,
                           kv_cache_from_budget, kv_token_bytes)
 from .sequence import Sequence, SamplingParams
@@ -26,7 +26,7 @@ from .sequential import SequentialEngine
 from .roofline import Ledger, weight_bytes_per_step
 from .scheduler import Scheduler
 from .cpu_kernels import can_fuse, fuse_cpu_ops, cxx_compiler
-from .cpu_step import can_step, fuse_decode_step, STEP_RUNS
+from .cpu_step import can_step, fuse_decode_step, STEP_PATH
 
 # %% ../nbs/06b_engine.ipynb #b8b0c001
 def _wants_prompt_rows(seq):
@@ -336,13 +336,16 @@ def _model_config(folder):
     return _MODEL_CONFIGS[folder]
 _MODEL_CONFIGS = {}
 
-def _not_run(runs, c):
-    """What of the folder's model a path that runs only the behaviours `runs` (None: all) cannot run, as words; or
-    None. Behaviours are chapter 12a's differences from Llama (`ModelConfig.behaviours`)."""
-    if runs is None: return None
+def _not_run(path, c):
+    """What of the folder's model `path` does not run (its behaviours not paired with it: `refused_behaviours`), as
+    words; or None. `path` None: a path that runs every behaviour."""
     cfg = _model_config(c.model)
-    other = [b for b in cfg.behaviours() if b not in runs]
+    other = refused_behaviours(cfg, path)
     return f"{cfg.model_type} models' {', '.join(other)}" if other else None
+
+def _weights_path(name):
+    "The path weight format `name` is, for `_not_run`: None if it runs every behaviour."
+    return None if WEIGHT_FORMATS[name].runs_all else f"weights={name!r}"
 
 def _no_compiler(): return "" if cxx_compiler() else ", and no C++ compiler is on PATH"
 
@@ -364,11 +367,11 @@ CONFIG_RULES = [
     Rule(("device",), lambda c: c.device == "cuda" and not torch.cuda.is_available(),
          lambda c: "device='cuda' requested but no CUDA device is available; use device='cpu'"),
     Rule(("weights",), lambda c: _folder_refuses(c) is not None, _folder_refuses),
-    Rule(("weights",), lambda c: _not_run(WEIGHT_FORMATS[c.weights].runs, c) is not None,
-         lambda c: f"weights={c.weights!r} does not run {_not_run(WEIGHT_FORMATS[c.weights].runs, c)}; "
+    Rule(("weights",), lambda c: _not_run(_weights_path(c.weights), c) is not None,
+         lambda c: f"weights={c.weights!r} does not run {_not_run(_weights_path(c.weights), c)}; "
                    "use weights='plain' or 'packed'"),
-    Rule(("kernels",), lambda c: c.kernels == "step" and _not_run(STEP_RUNS, c) is not None,
-         lambda c: f"kernels='step' does not run {_not_run(STEP_RUNS, c)}; use kernels='cpu' or 'torch'"),
+    Rule(("kernels",), lambda c: c.kernels == "step" and _not_run(STEP_PATH, c) is not None,
+         lambda c: f"kernels='step' does not run {_not_run(STEP_PATH, c)}; use kernels='cpu' or 'torch'"),
     Rule(("weights", "dtype", "device"), lambda c: WEIGHT_FORMATS[c.weights].refuses(c.dtype, c.device) is not None,
          lambda c: WEIGHT_FORMATS[c.weights].refuses(c.dtype, c.device) + "; use weights='plain'"),
     Rule(("kernels", "dtype", "device"), lambda c: c.kernels == "step" and not can_step(c.dtype, c.device),

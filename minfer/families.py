@@ -14,8 +14,9 @@ import json, math
 from pathlib import Path
 import torch
 import torch.nn.functional as F
-from .model import (MODEL_FAMILIES, ROPE_SCALINGS, HF_ACTIVATIONS, ACTIVATIONS, Family, RopeSpec, ModelConfig,
-                          rope_inv_freq, rope_spec, describe_llama, default_model_dir)
+from .model import (MODEL_FAMILIES, ROPE_SCALINGS, HF_ACTIVATIONS, ACTIVATIONS, BEHAVIOURS, Behaviour, Family,
+                          RopeSpec, ModelConfig, rope_inv_freq, rope_spec, describe_llama, default_model_dir,
+                          runs_behaviours)
 from .roofline import param_counts
 
 # %% ../nbs/12a_families.ipynb #a70592da
@@ -166,6 +167,26 @@ for name, describe, about in (
         ("phi3", describe_phi3, "Phi-3, Phi-4-mini: fused checkpoint tensors, partial rotary, LongRoPE"),
         ("smollm3", describe_smollm3, "SmolLM3: no RoPE on every 4th layer")):
     MODEL_FAMILIES[name] = Family(describe, about=about)
+
+# what the families do beyond Llama, as `ModelConfig.behaviours()` names it (chapter 00a's `BEHAVIOURS`)
+BEHAVIOURS.update(
+    qk_norm=Behaviour(lambda cfg: cfg.qk_norm, "an RMSNorm over each q and k head before RoPE"),
+    norm_offset=Behaviour(lambda cfg: cfg.norm_offset != 0, "norms that scale by offset + w"),
+    embed_scale=Behaviour(lambda cfg: cfg.embed_scale != 1, "scaled embeddings"),
+    sandwich_norms=Behaviour(lambda cfg: cfg.sandwich_norms, "norms after attention and after the MLP as well"),
+    attn_softcap=Behaviour(lambda cfg: cfg.attn_softcap is not None, "soft-capped attention scores"),
+    final_softcap=Behaviour(lambda cfg: cfg.final_softcap is not None, "soft-capped logits"),
+    query_scale=Behaviour(lambda cfg: cfg.query_scale is not None, "an attention scale of its own"),
+    local_rope=Behaviour(lambda cfg: cfg.local_rope is not None, "a second RoPE table for some layers"),
+    layer_ropes=Behaviour(lambda cfg: None in cfg.layer_ropes, "layers without RoPE"),
+    sliding_window=Behaviour(lambda cfg: any(w is not None for w in cfg.layer_windows), "sliding-window layers"),
+    partial_rotary=Behaviour(lambda cfg: cfg.rope.partial_rotary_factor != 1, "RoPE on part of each head"))
+# the paths that run only some behaviours and run these: the one-call step (chapter 05c) normalises q and k heads
+# and reads norms whose offset is folded into their weights; int4 KV (09) reads keys as every layer does, so it runs
+# all but what changes how attention reads them
+runs_behaviours("kernels='step'", "qk_norm", "norm_offset")
+runs_behaviours("kv_dtype='int4'", "qk_norm", "norm_offset", "embed_scale", "sandwich_norms", "final_softcap",
+                "query_scale", "local_rope", "layer_ropes", "partial_rotary")
 
 # %% ../nbs/12a_families.ipynb #73ede422
 def kv_bytes_read(cfg, context, kv_dtype="bfloat16"):

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from .paged import (KV_FORMATS, KV_READERS, PagedKVCache, attention_backend, formats_read_by, PagedAttention, BlockAllocator, BlockTable,
                           build_batch_meta, kv_cache_from_budget, kv_token_bytes)
-from .model import DTYPES, attend
+from .model import DTYPES, attend, runs_behaviours
 from .engine import SWITCHES, Rule, Switch, _not_run
 from .cpu_kernels import CPU_KERNELS_SOURCE, CpuAttention, build_cpu_kernels, load_kernels, _kernel, _P, _I, _F
 from .flash import TritonAttention, split_kv_decode  # before triton: without a GPU it picks Triton's interpreter
@@ -37,7 +37,7 @@ class KVFormat:
     storage: torch.dtype       # what the codes are stored as
     qmax: float                # the largest code: 127 for int8, 448 for float8_e4m3fn (its largest finite value)
     rotate_keys: bool = False  # keys stored as key @ key_rotation(head_dim), read back as codes * scale @ its transpose
-    runs = None                # every family's behaviours (chapter 12a): windows and soft-caps read it as plain K/V
+    runs_all = True            # it runs every behaviour of a model (`BEHAVIOURS`): attention reads it as plain K/V
     # every token of a block can be dropped (`BlockTable.truncate`) and moved (`read_blocks` / `write_blocks`)
     truncatable, movable = True, True
 
@@ -279,9 +279,9 @@ class KIVIFormat:
     # the residual window: a block once quantized cannot take back its newest tokens (`BlockTable.truncate`), and
     # `read_blocks` moves the per-block tensors, not the window
     truncatable, movable = False, False
-    # the behaviours of chapter 12a's families it runs: not windows or soft-caps (its prefill reads its own way)
-    runs = ("qkv_bias", "o_bias", "mlp_bias", "qk_norm", "norm_offset", "embed_scale", "hidden_act", "sandwich_norms",
-            "final_softcap", "query_scale", "num_experts", "local_rope", "layer_ropes", "partial_rotary", "longrope")
+    # it runs only the behaviours paired with "kv_dtype='int4'" (`runs_behaviours`): its prefill reads its own way,
+    # so a behaviour that changes how attention reads the keys is refused
+    runs_all = False
 
     def group_of(self, head_dim):
         g = min(self.group, head_dim)
@@ -331,6 +331,7 @@ class KIVIFormat:
         return Int4KVCache.from_budget(cfg, budget_bytes, block_size, dtype, device, self.name, max_seqs)
 
 KV_FORMATS["int4"] = KIVIFormat()
+runs_behaviours("kv_dtype='int4'", "qkv_bias", "o_bias", "mlp_bias", "hidden_act")  # chapter 00a's
 
 class Int4View:
     """One layer's K (or V) of an `Int4KVCache` as chapter 03's attention reads it (like `DequantizedView`): rows
@@ -650,8 +651,10 @@ def kv_quality(model, ids, kv_dtypes=None, chunk=32):
 
 # %% ../nbs/09_kvquant.ipynb #422cee75
 def _kv_dtype_runs_not(c):
-    "What of the folder's model `c.kv_dtype`'s format does not run (chapter 12a's behaviours), as words; or None."
-    return _not_run(KV_FORMATS[c.kv_dtype].runs, c) if c.kv_dtype in KV_FORMATS else None
+    "What of the folder's model `c.kv_dtype`'s format does not run (`refused_behaviours`), as words; or None."
+    if c.kv_dtype not in KV_FORMATS or KV_FORMATS[c.kv_dtype].runs_all:
+        return None
+    return _not_run(f"kv_dtype={c.kv_dtype!r}", c)
 
 KV_DTYPE_RULES = (
     Rule(("kv_dtype",), lambda c: _kv_dtype_runs_not(c) is not None,

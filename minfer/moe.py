@@ -11,7 +11,7 @@ __all__ = ['expected_experts', 'MoE', 'describe_qwen3_moe', 'describe_mixtral']
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from .model import MLP_KINDS, MODEL_FAMILIES, ACTIVATIONS, Family
+from .model import MLP_KINDS, MODEL_FAMILIES, ACTIVATIONS, BEHAVIOURS, Behaviour, Family, runs_behaviours
 from .families import describe_qwen3, describe_mistral
 
 # %% ../nbs/12b_moe.ipynb #918468c6
@@ -92,6 +92,9 @@ def describe_mixtral(d):
     n = d["num_hidden_layers"]
     return dict(describe_mistral(d), num_experts=d["num_local_experts"], num_experts_per_tok=d["num_experts_per_tok"],
                 moe_intermediate_size=d["intermediate_size"], norm_topk_prob=True, moe_layers=tuple(range(n)))
+
+BEHAVIOURS["experts"] = Behaviour(lambda cfg: cfg.num_experts > 0, "mixtures of experts in place of MLPs")
+runs_behaviours("kv_dtype='int4'", "experts")  # chapter 09's int4 KV: the MLPs are not its business
 
 MODEL_FAMILIES["qwen3_moe"] = Family(describe_qwen3_moe, about="Qwen3-MoE (30B-A3B, 235B-A22B): 128 experts, top 8")
 MODEL_FAMILIES["mixtral"] = Family(describe_mixtral, about="Mixtral 8x7B: 8 experts, top 2", renames=(

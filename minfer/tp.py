@@ -422,7 +422,8 @@ def _heads_refuse(c):
 
 def _experts_refuse(c):
     "Why `c.model`'s layers cannot be split (a mixture of experts), or None."
-    if c.tensor_parallel_size == 1 or not ModelConfig.from_folder(c.model).num_experts: return None
+    if c.tensor_parallel_size == 1 or "experts" not in ModelConfig.from_folder(c.model).behaviours():
+        return None
     return (f"tensor_parallel_size={c.tensor_parallel_size} splits dense MLPs; splitting a mixture of experts "
             "(chapter 12b: expert parallelism) is not built: use tensor_parallel_size=1")
 
