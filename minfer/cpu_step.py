@@ -12,7 +12,7 @@ __all__ = ['CPU_STEP_SOURCE', 'STEP_CXX_FLAGS', 'STEP_MAX_ROWS', 'STEP_PATH', 'o
 import ctypes, functools
 from pathlib import Path
 import torch
-from .model import Llama, check_behaviours, runs_behaviours, sequence_lengths
+from .model import Llama, check_behaviours, runs_behaviours
 from .paged import PagedAttention
 from .cpu_kernels import (
     CPU_KERNELS_SOURCE, CXX_FLAGS, FUSED_MAX_ROWS, build_cpu_kernels, load_kernels, can_fuse, decode_tables, _kernel)
@@ -303,7 +303,7 @@ class StepLlama(Llama):
     def forward(self, tokens, positions, attention, logits_rows=None):
         if not self.one_call(tokens, attention, logits_rows): return super().forward(tokens, positions, attention, logits_rows)
         x = self.embed_tokens(tokens)  # a new tensor: the residual stream, updated in place by the call
-        cos, sin = self.rope.tables(positions, x.dtype, sequence_lengths(attention) if self.rope.switch_at else None)
+        cos, sin = self.rope.tables(positions, x.dtype, attention)
         return step_call(self.step_kernel, self.weight_pointers, self.cfg, x, cos, sin, attention,
                                self.group_size, self.timings)
 

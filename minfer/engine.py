@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 import torch
 from .model import (DTYPES, WEIGHT_FORMATS, Registry, load_model, default_model_dir, check_model_folder,
-                          ModelConfig, refused_behaviours)
+                          ModelConfig, ROPE_SCALINGS, refused_behaviours)
 from .paged import (ATTENTION_BACKENDS, KV_FORMATS, attention_backend, build_batch_meta, formats_read_by,
                           kv_cache_from_budget, kv_token_bytes)
 from .sequence import Sequence, SamplingParams
@@ -87,10 +87,8 @@ class ModelRunner:
                 positions.append(c + len(paths[i - 1]))
         self.attn.meta = build_batch_meta(tables, self.cache.block_size, dev, keys)
         positions = torch.tensor(positions, device=dev)
-        if self.model.rope.switch_at is not None:  # LongRoPE (chapter 12a): a prompt's table by its whole length
-            last = torch.cumsum(torch.tensor([m for _, _, m in tables]), 0) - 1  # each entry's last row
-            lens = [max(len(s.prompt_ids), int(positions[r]) + 1) for s, r in zip(owners, last)]
-            self.attn.meta.rope_lens = torch.tensor(lens, device=dev)
+        # each entry's whole prompt, which a prompt run in chunks over several steps has not all in its `seq_lens`
+        self.attn.meta.prompt_lens = torch.tensor([len(s.prompt_ids) for s in owners], device=dev)
         tokens = [t for s, n in batch for t in (s.token_ids + s.draft_ids)[s.num_computed:s.num_computed + n]]
         tokens = torch.tensor(tokens, device=dev)
         rows, start = [], 0
@@ -347,6 +345,14 @@ def _weights_path(name):
     "The path weight format `name` is, for `_not_run`: None if it runs every behaviour."
     return None if WEIGHT_FORMATS[name].runs_all else f"weights={name!r}"
 
+def _prefix_refuses(c):
+    "Why a cached prefix's K/V cannot serve another prompt of `c.model` (its RoPE is not by position alone), or None."
+    cfg = _model_config(c.model)
+    if ROPE_SCALINGS[cfg.rope.rope_type].by_position:
+        return None
+    return (f"prefix_cache=True reuses a prefix's K/V across prompts, and {cfg.model_type}'s RoPE "
+            f"({cfg.rope.rope_type!r}) turns a prompt's keys by a table its whole length picks; use prefix_cache=False")
+
 def _no_compiler(): return "" if cxx_compiler() else ", and no C++ compiler is on PATH"
 
 def _attention_refuses(c):
@@ -386,9 +392,7 @@ CONFIG_RULES = [
     Rule(("kernels", "kv"), lambda c: c.kernels == "step" and c.kv != "paged",
          lambda c: f"kernels='step' runs decode steps over the paged KV pool (got kv={c.kv!r}); "
                    "use kv='paged', or kernels='cpu'"),
-    Rule(("prefix_cache",), lambda c: c.prefix_cache and _model_config(c.model).rope.rope_type == "longrope",
-         lambda c: "prefix_cache=True reuses a prefix's K/V across prompts, and LongRoPE turns a prompt's keys by a "
-                   f"table its whole length picks ({_model_config(c.model).model_type}); use prefix_cache=False"),
+    Rule(("prefix_cache",), lambda c: c.prefix_cache and _prefix_refuses(c) is not None, _prefix_refuses),
     Rule(("kv", "prefix_cache"), lambda c: c.kv != "paged" and c.prefix_cache,
          lambda c: f"prefix_cache=True needs kv='paged' (got kv={c.kv!r})"),
     Rule(("kv", "attention"), lambda c: c.kv != "paged" and c.attention != "torch",

@@ -8,15 +8,15 @@ Docs: https://minfer.github.io/minfer/model.html.md"""
 __all__ = ['DTYPES', 'GGUF_PACKAGE', 'GGUF_FILE', 'MODEL_FAMILIES', 'ROPE_SCALINGS', 'HF_ACTIVATIONS', 'ACTIVATIONS',
            'BEHAVIOURS', 'RUN_BY', 'MLP_KINDS', 'WEIGHT_FORMATS', 'Registry', 'definition', 'unpermute_rope',
            'find_default_gguf', 'convert_gguf', 'source_root', 'data_dir', 'default_model_dir', 'RopeSpec',
-           'ModelConfig', 'check_model_folder', 'Family', 'rope_inv_freq', 'rope_spec', 'refuse_unsupported',
-           'describe_llama', 'Behaviour', 'runs_behaviours', 'refused_behaviours', 'check_behaviours', 'Tokenizer',
-           'compiled_chat_template', 'sandboxed_jinja', 'RMSNorm', 'RotaryEmbedding', 'Attention', 'MLP',
-           'DecoderLayer', 'Llama', 'sequence_lengths', 'make_rope', 'load_model', 'read_checkpoint',
+           'ModelConfig', 'check_model_folder', 'Family', 'rope_inv_freq', 'check_rope_type', 'rope_spec',
+           'refuse_unsupported', 'describe_llama', 'Behaviour', 'runs_behaviours', 'refused_behaviours',
+           'check_behaviours', 'Tokenizer', 'compiled_chat_template', 'sandboxed_jinja', 'RMSNorm', 'RotaryEmbedding',
+           'Attention', 'MLP', 'DecoderLayer', 'Llama', 'rope_module', 'make_rope', 'load_model', 'read_checkpoint',
            'checkpoint_params', 'attend', 'NoCache', 'PackedLinear', 'can_pack', 'pack_weights', 'WeightFormat',
            'register_weight_format']
 
 # %% ../nbs/00a_model.ipynb #afc2d4da
-import collections.abc, dataclasses, datetime, functools, importlib.util, json, math, os, re
+import dataclasses, datetime, functools, importlib.util, json, math, os, re
 from dataclasses import dataclass
 from typing import Callable
 from pathlib import Path
@@ -184,7 +184,7 @@ class RopeSpec:
     frequencies are rescaled for contexts longer than training's (`rope_type`, an entry of `ROPE_SCALINGS`)."""
     theta: float = 10000.0
     rope_type: str = "default"
-    factor: float = 1.0
+    factor: float | None = None  # None: the scaling's own default
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
@@ -299,8 +299,8 @@ class Family:
 
 # model_type -> Family: Llama here; chapter 12a adds the families people run locally, 12b the mixtures of experts
 MODEL_FAMILIES = Registry("model_type", Family)
-# rope_type -> fn(spec, dim) -> (inv_freq [dim / 2], cos/sin scale, inv_freq past the original context or None)
-ROPE_SCALINGS = Registry("rope_type", collections.abc.Callable)
+# rope_type -> the `RotaryEmbedding` class that builds its tables (registered with the class, below)
+ROPE_SCALINGS = Registry("rope_type", nn.Module)
 # config.json's activation names -> ours; ours -> the function (chapter 12a adds GeGLU's tanh-GELU)
 HF_ACTIVATIONS = {"silu": "silu", "swish": "silu"}
 ACTIVATIONS = {"silu": F.silu}
@@ -309,7 +309,11 @@ def rope_inv_freq(theta, dim):
     "RoPE's frequencies: theta ** (-2i / dim) for i < dim / 2, as transformers computes them."
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
 
-ROPE_SCALINGS["default"] = lambda spec, dim: (rope_inv_freq(spec.theta, dim), 1.0, None)
+def check_rope_type(kind):
+    """Refuse in one line a RoPE scaling that no entry of `ROPE_SCALINGS` builds (plain RoPE, "default", is
+    `RotaryEmbedding`, registered with it below)."""
+    if kind != "default":
+        ROPE_SCALINGS[kind]
 
 def rope_spec(d, params=None):
     """The `RopeSpec` of `config.json` `d`, written either way: transformers 5's `rope_parameters` (or `params`, one
@@ -317,12 +321,12 @@ def rope_spec(d, params=None):
     p = dict(params if params is not None else (d.get("rope_parameters") or d.get("rope_scaling") or {}))
     kind = p.get("rope_type", p.get("type", "default"))
     if "mrope_section" in p: kind = "mrope"
-    ROPE_SCALINGS[kind]  # unsupported kinds (yarn, dynamic, mrope, ...) stop here, in one line
+    check_rope_type(kind)  # unsupported kinds (yarn, dynamic, mrope, ...) stop here, in one line
     factor = p.get("factor")
     orig = p.get("original_max_position_embeddings", d.get("original_max_position_embeddings"))
-    if factor is None: factor = d.get("max_position_embeddings", 2048) / orig if kind == "longrope" and orig else 1.0
     return RopeSpec(theta=float(p.get("rope_theta", d.get("rope_theta", 10000.0))), rope_type=kind,
-                    factor=float(factor), low_freq_factor=float(p.get("low_freq_factor", 1.0)),
+                    factor=None if factor is None else float(factor),
+                    low_freq_factor=float(p.get("low_freq_factor", 1.0)),
                     high_freq_factor=float(p.get("high_freq_factor", 4.0)),
                     original_max_position_embeddings=orig, short_factor=tuple(p.get("short_factor") or ()),
                     long_factor=tuple(p.get("long_factor") or ()), attention_factor=p.get("attention_factor"),
@@ -334,7 +338,7 @@ def refuse_unsupported(d):
         if key in d: raise ValueError(f"has {key}: only text decoders load here (use a text-only model's folder)")
     for p in (d.get("rope_scaling"), d.get("rope_parameters")):  # each RoPE entry a table of ROPE_SCALINGS knows
         for p in ((p or {}).values() if isinstance((p or {}).get("full_attention"), dict) else [p or {}]):
-            ROPE_SCALINGS["mrope" if "mrope_section" in p else p.get("rope_type", p.get("type", "default"))]
+            check_rope_type("mrope" if "mrope_section" in p else p.get("rope_type", p.get("type", "default")))
     q = d.get("quantization_config")
     if isinstance(q, dict) and str(q.get("quant_method", "")).lower() != "awq":
         raise ValueError(f"quantization_config.quant_method {q.get('quant_method')!r} is not supported (AWQ only, "
@@ -493,42 +497,39 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position, computed once in fp32. `tables(positions)` looks up one forward pass's rows
-    (once, for all layers); `rotate(x, cos, sin)` turns q or k heads by their positions. `spec` (a `RopeSpec`): how
-    the frequencies are scaled and how much of each head turns (None: plain RoPE of base `base` over the whole head)."""
-    def __init__(self, head_dim, base, max_positions, spec=None):
+    """cos/sin tables for every position, computed once in fp32. `tables(positions, dtype)` looks up one forward
+    pass's rows (once, for all layers); `rotate(x, cos, sin)` turns q or k heads by their positions. `spec` (a
+    `RopeSpec`, None: plain RoPE of base `base`) says how the frequencies are scaled: each `rope_type` is a subclass in
+    `ROPE_SCALINGS` with its own `frequencies`. `by_position`: whether a row's angles depend on its position alone
+    (a scaling that picks its table by the batch, chapter 12a's, does not: a prefix's cached keys then cannot serve
+    another prompt)."""
+    by_position = True
+    def __init__(self, dim, base, max_positions, spec=None):
+        "dim: the dimensions of each head it turns; max_positions: the positions its tables hold."
         super().__init__()
-        spec = spec or RopeSpec(base)
-        dim = int(head_dim * spec.partial_rotary_factor)
-        inv_freq, scale, long_inv_freq = ROPE_SCALINGS[spec.rope_type](spec, dim)
-        for name, t in zip(("cos", "sin"), self._table(inv_freq, scale, max_positions)):
+        self.spec, self.max_positions = spec or RopeSpec(base), max_positions
+        dim = int(dim * self.spec.partial_rotary_factor)
+        for name, t in zip(("cos", "sin"), self.table(*self.frequencies(dim))):
             self.register_buffer(name, t, persistent=False)
-        # LongRoPE: a forward reaching past the original context uses a second table for all its positions
-        self.switch_at = None
-        if long_inv_freq is not None:
-            self.switch_at = spec.original_max_position_embeddings
-            for name, t in zip(("long_cos", "long_sin"), self._table(long_inv_freq, scale, max_positions)):
-                self.register_buffer(name, t, persistent=False)
-    @staticmethod
-    def _table(inv_freq, scale, max_positions):
-        freqs = torch.outer(torch.arange(max_positions).float(), inv_freq)
+    def frequencies(self, dim):
+        "-> (inverse frequencies [dim / 2], cos/sin scale): RoPE's own, unscaled (a subclass scales them)."
+        return rope_inv_freq(self.spec.theta, dim), 1.0
+    def table(self, inv_freq, scale):
+        "-> cos, sin [max_positions, dim] of `frequencies`."
+        freqs = torch.outer(torch.arange(self.max_positions).float(), inv_freq)
         # rotate_half(x) = cat(-x2, x1) = roll(x, d/2) * [-1..., +1...]: fold that sign into the sin table
         return torch.cat([freqs, freqs], -1).cos() * scale, torch.cat([-freqs, freqs], -1).sin() * scale
-    def tables(self, positions, dtype, lengths=None):  # -> cos, sin: [T, 1, rotated dims]
-        "lengths: each row's sequence length so far [T] (LongRoPE's choice of table; None: one sequence, `positions`)."
-        if self.switch_at is None or not len(positions):
-            return self.cos[positions, None].to(dtype), self.sin[positions, None].to(dtype)
-        # as transformers: a sequence past the original context turns its new rows by the long table (its cached keys
-        # keep theirs)
-        n = positions.max() + 1 if lengths is None else lengths
-        long = torch.as_tensor(n > self.switch_at, device=positions.device).expand(len(positions))[:, None]
-        pick = lambda a, b: torch.where(long, b[positions], a[positions])[:, None].to(dtype)
-        return pick(self.cos, self.long_cos), pick(self.sin, self.long_sin)
+    def tables(self, positions, dtype, attention=None):
+        """-> cos, sin [T, 1, rotated dims] for `positions` [T]. `attention`: the forward's (its batch, for a
+        scaling whose table depends on more than positions)."""
+        return self.cos[positions, None].to(dtype), self.sin[positions, None].to(dtype)
     @staticmethod
     def rotate(x, cos, sin):  # x: [T, heads, head_dim]; x * cos + rotate_half(x) * sin, rounded as transformers does
         r = cos.shape[-1]
         if r == x.shape[-1]: return x * cos + x.roll(r // 2, -1) * sin
         return torch.cat([x[..., :r] * cos + x[..., :r].roll(r // 2, -1) * sin, x[..., r:]], -1)  # partial rotary
+
+ROPE_SCALINGS["default"] = RotaryEmbedding
 
 # %% ../nbs/00a_model.ipynb #ea7ffec0
 class Attention(nn.Module):
@@ -625,10 +626,9 @@ class Llama(nn.Module):
 
     def rope_tables(self, positions, dtype, attention=None):
         """Each layer's (cos, sin) rows for `positions`: looked up once per table, (None, None) for a layer without
-        RoPE. `attention`'s batch (a paged one has `meta`) tells LongRoPE each row's sequence length."""
-        lengths = sequence_lengths(attention) if self.rope.switch_at is not None else None
-        tables = [self.rope.tables(positions, dtype, lengths)]
-        if self.local_rope is not None: tables.append(self.local_rope.tables(positions, dtype, lengths))
+        RoPE. `attention`: the forward's, for a table that depends on the batch."""
+        tables = [self.rope.tables(positions, dtype, attention)]
+        if self.local_rope is not None: tables.append(self.local_rope.tables(positions, dtype, attention))
         return [(None, None) if r is None else tables[r] for r in self.cfg.layer_ropes]
 
     def forward(self, tokens, positions, attention, logits_rows=None):
@@ -643,20 +643,16 @@ class Llama(nn.Module):
         cap = self.cfg.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-def sequence_lengths(attention):
-    """Each row's sequence length in a paged batch (`attention.meta`, chapter 03): its `rope_lens` where the engine
-    set them (a prompt's whole length, chunk after chunk), else cached + new tokens; None for one sequence."""
-    meta = getattr(attention, "meta", None)
-    if meta is None: return None
-    lens = meta.seq_lens if getattr(meta, "rope_lens", None) is None else meta.rope_lens
-    return lens.long().repeat_interleave(meta.cu_seqlens_q.diff().long())
+def rope_module(spec, dim, max_positions):
+    "The RoPE tables of `spec` over `dim` dimensions of each head: its `ROPE_SCALINGS` class."
+    return ROPE_SCALINGS[spec.rope_type](dim, spec.theta, max_positions, spec)
 
 def make_rope(model):
     "Give `model` its RoPE tables (`rope`, and `local_rope` or None), from its config; after loading onto meta, again."
     cfg = model.cfg
-    model.rope = RotaryEmbedding(cfg.head_dim, cfg.rope.theta, cfg.max_position_embeddings, cfg.rope)
+    model.rope = rope_module(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
     model.local_rope = None if cfg.local_rope is None else \
-        RotaryEmbedding(cfg.head_dim, cfg.local_rope.theta, cfg.max_position_embeddings, cfg.local_rope)
+        rope_module(cfg.local_rope, cfg.head_dim, cfg.max_position_embeddings)
     return model
 
 # %% ../nbs/00a_model.ipynb #0271dc77

@@ -140,7 +140,7 @@ class BatchMeta:
     block_tables: torch.Tensor   # int32 [B, max_blocks], rows padded with 0
     max_seqlen_q: int
     max_seqlen_k: int
-    rope_lens: torch.Tensor | None = None  # int64 [B]: the lengths LongRoPE picks its table by (chapter 12a), if set
+    prompt_lens: torch.Tensor | None = None  # int64 [B]: each sequence's whole prompt, where a caller sets it
     # {entry: int64 slots}: a one-row entry that attends to exactly these keys, in position order, instead of its
     # table's first seq_lens positions: a row that sees a chosen subset of its sequence's keys
     row_keys: dict | None = None
