@@ -327,17 +327,11 @@ def _folder_refuses(c):
                 "use weights='plain' or 'packed', or a folder saved as it")
     return None
 
-def _model_config(folder):
-    "The `ModelConfig` of a folder, read once (the rules below ask for it often)."
-    folder = str(folder)
-    if folder not in _MODEL_CONFIGS: _MODEL_CONFIGS[folder] = ModelConfig.from_folder(folder)
-    return _MODEL_CONFIGS[folder]
-_MODEL_CONFIGS = {}
 
 def _not_run(path, c):
     """What of the folder's model `path` does not run (its behaviours not paired with it: `refused_behaviours`), as
     words; or None. `path` None: a path that runs every behaviour."""
-    cfg = _model_config(c.model)
+    cfg = ModelConfig.from_folder(c.model)
     other = refused_behaviours(cfg, path)
     return f"{cfg.model_type} models' {', '.join(other)}" if other else None
 
@@ -347,7 +341,7 @@ def _weights_path(name):
 
 def _prefix_refuses(c):
     "Why a cached prefix's K/V cannot serve another prompt of `c.model` (its RoPE is not by position alone), or None."
-    cfg = _model_config(c.model)
+    cfg = ModelConfig.from_folder(c.model)
     if ROPE_SCALINGS[cfg.rope.rope_type].by_position:
         return None
     return (f"prefix_cache=True reuses a prefix's K/V across prompts, and {cfg.model_type}'s RoPE "
@@ -491,7 +485,7 @@ def resolve_config(config):
     the 'auto' switches satisfies: a conflict between values the user set, or with this machine or this folder."""
     config = config.check_values()
     model = str(check_model_folder(default_model_dir() if config.model is None else config.model))
-    _model_config(model)  # a config.json no family here reads is refused first, in one line
+    ModelConfig.from_folder(model)  # a config.json no family here reads is refused first, in one line
     c = config.replace(model=model)
     for name, switch in SWITCHES.items():  # what a switch's value means once the folder is known
         if switch.resolve is not None:

@@ -244,10 +244,21 @@ class ModelConfig:
 
     @classmethod
     def from_folder(cls, folder):
-        folder = check_model_folder(folder)
-        try: d = json.loads((folder / "config.json").read_text())
-        except json.JSONDecodeError as e: raise ValueError(f"{folder/'config.json'} is not valid JSON ({e})") from None
-        return cls.from_config(d, folder / "config.json")
+        """From a model folder's `config.json`, read once per version of the file: the engine's rules, the loaders
+        and `LLM` all ask for it, and a config that is equal field by field is the same config (it is frozen)."""
+        path = check_model_folder(folder) / "config.json"
+        stat = path.stat()
+        return cls._from_file(path.resolve(), stat.st_mtime_ns, stat.st_size)
+
+    @classmethod
+    @functools.lru_cache(maxsize=32)
+    def _from_file(cls, path, mtime_ns, size):
+        "`from_folder`'s read, cached by the file's path, time and size (a rewritten file is read again)."
+        try:
+            d = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON ({e})") from None
+        return cls.from_config(d, path)
 
     @classmethod
     def from_config(cls, d, where="config.json"):
