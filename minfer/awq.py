@@ -8,10 +8,10 @@ Docs: https://minfer.github.io/minfer/awq.html.md"""
 __all__ = ['AWQ_BITS', 'MAX_Q', 'AWQ_ORDER', 'AWQ_REVERSE_ORDER', 'PROJECTIONS', 'AWQ_CPU_SOURCE', 'TOKENIZER_FILES', 'SUPPORTED',
            'AWQ_PATH', 'quantize_groups', 'dequantize_groups', 'fake_quantize', 'text_path', 'calibration_ids',
            'CausalBatch', 'capture_inputs', 'calibration_start', 'search_scale', 'search_clip', 'apply_clip',
-           'awq_transform', 'pack_int4', 'unpack_int4', 'pack_awq', 'dequantize_awq', 'pack_q4x8', 'awq_cpu_kernels',
-           'awq_cpu_available', 'matmul_q4x8', 'AWQLinear', 'fuse_awq', 'awq_gemm', 'quantization_config',
-           'quantize_model_tensors', 'quantize_folder', 'is_awq_folder', 'check_awq_config', 'load_awq_model',
-           'awq_bytes_per_token', 'run_quantize', 'perplexity']
+           'awq_transform', 'pack_awq_int4', 'unpack_awq_int4', 'pack_awq', 'dequantize_awq', 'pack_q4x8',
+           'awq_cpu_kernels', 'awq_cpu_available', 'matmul_q4x8', 'AWQLinear', 'fuse_awq', 'awq_gemm',
+           'quantization_config', 'quantize_model_tensors', 'quantize_folder', 'is_awq_folder', 'check_awq_config',
+           'load_awq_model', 'awq_bytes_per_token', 'run_quantize', 'perplexity']
 
 # %% ../nbs/08_awq.ipynb #9cda7a9a
 import ctypes, functools, json, math, os, shutil, sys
@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
+from tqdm.auto import tqdm
 if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "1"  # no GPU: Triton's interpreter, as in chapter 05a (fp32/fp16 only)
 import triton
@@ -184,13 +185,14 @@ def apply_clip(weight, max_val, group_size=64):
 def _relative_error(approx, exact): return ((approx - exact).norm() / exact.norm()).item()
 
 @torch.no_grad()
-def awq_transform(model, ids, group_size=64, n_grid=20, clip=True, log=None):
+def awq_transform(model, ids, group_size=64, n_grid=20, clip=True, log=None, progress=False):
     """AWQ on an fp32 `Llama`, in place: per layer, search and fold the activation-aware scales, then clip. ids [S, T]:
     calibration token ids. Returns one dict per layer: the α chosen per scaled group, and each projection's relative
-    output error on the calibration inputs with RTN alone and after AWQ (both against the unquantised projection)."""
+    output error on the calibration inputs with RTN alone and after AWQ (both against the unquantised projection).
+    `progress`: a bar over the layers with its time estimate (the search takes minutes on a CPU)."""
     x, cos, sin, attention = calibration_start(model, ids)
     report = []
-    for layer in model.layers:
+    for layer in tqdm(model.layers, desc="AWQ search", unit="layer", disable=not progress):
         a, m = layer.self_attn, layer.mlp
         inputs, x_next = capture_inputs(layer, x, cos, sin, attention)
         exact = {n: inputs[n] @ _projection(layer, n).weight.T for n in PROJECTIONS}
@@ -239,7 +241,7 @@ def awq_transform(model, ids, group_size=64, n_grid=20, clip=True, log=None):
 # %% ../nbs/08_awq.ipynb #bfe501a7
 _SHIFTS = torch.arange(0, 32, AWQ_BITS)
 
-def pack_int4(codes):
+def pack_awq_int4(codes):
     "Pack int codes [rows, cols] in 0..15 into int32 [rows, cols/8], AutoAWQ's interleaved nibble order."
     rows, cols = codes.shape
     if cols % 8:
@@ -248,18 +250,18 @@ def pack_int4(codes):
     packed = (nibbles << _SHIFTS.to(codes.device)).sum(-1)               # in int64: nibble 7 reaches bit 31
     return torch.where(packed >= 2**31, packed - 2**32, packed).int()    # the same 32 bits, as a signed int32
 
-def unpack_int4(packed):
-    "int32 [rows, cols/8] -> codes int32 [rows, cols] in 0..15 (inverse of `pack_int4`)."
+def unpack_awq_int4(packed):
+    "int32 [rows, cols/8] -> codes int32 [rows, cols] in 0..15 (inverse of `pack_awq_int4`)."
     nibbles = (packed[..., None] >> _SHIFTS.to(packed.device)) & MAX_Q  # arithmetic shift; the mask drops the sign
     return nibbles[..., list(AWQ_REVERSE_ORDER)].reshape(packed.shape[0], -1).int()
 
 def pack_awq(q, scales, zeros):
     "(q [out, in], scales [out, in/G], zeros [out, in/G]) from `quantize_groups` -> AutoAWQ's GEMM tensors."
-    return dict(qweight=pack_int4(q.T), qzeros=pack_int4(zeros.T), scales=scales.T.contiguous().half())
+    return dict(qweight=pack_awq_int4(q.T), qzeros=pack_awq_int4(zeros.T), scales=scales.T.contiguous().half())
 
 def dequantize_awq(qweight, qzeros, scales, group_size, dtype=torch.float32):
     "AutoAWQ GEMM tensors -> the weight [out, in] (nn.Linear's layout) they stand for."
-    codes, zeros = unpack_int4(qweight), unpack_int4(qzeros)
+    codes, zeros = unpack_awq_int4(qweight), unpack_awq_int4(qzeros)
     w = (codes - zeros.repeat_interleave(group_size, 0)).to(dtype) * scales.to(dtype).repeat_interleave(group_size, 0)
     return w.T
 
@@ -567,7 +569,7 @@ class AWQLinear(nn.Module):
     def q4x8_codes(self):
         "The codes in `pack_q4x8`'s layout, repacked on the first call."
         if self._q4x8 is None:
-            codes, zeros = unpack_int4(self.qweight).T, unpack_int4(self.qzeros).T
+            codes, zeros = unpack_awq_int4(self.qweight).T, unpack_awq_int4(self.qzeros).T
             self._q4x8 = pack_q4x8(codes, self.scales.T, zeros)
         return self._q4x8
 
@@ -664,10 +666,12 @@ def quantize_model_tensors(model, group_size=64):
         tensors[p + "post_attention_layernorm.weight"] = half(layer.post_attention_layernorm.weight)
     return tensors
 
-def quantize_folder(src, dst, method="awq", group_size=64, n_samples=16, seq_len=512, calibration_text=None, log=None):
+def quantize_folder(src, dst, method="awq", group_size=64, n_samples=16, seq_len=512, calibration_text=None, log=None,
+                    progress=False):
     """Write an AutoAWQ GEMM checkpoint of the HF folder `src` into `dst`: method "awq" (scale and clipping search on
     `n_samples` x `seq_len` tokens of calibration text, then RTN) or "rtn" (round to nearest only). Returns dst.
-    seq_len 512 is AutoAWQ's `max_calib_seq_len`; 16 x 512 tokens are most of the shipped calibration text."""
+    seq_len 512 is AutoAWQ's `max_calib_seq_len`; 16 x 512 tokens are most of the shipped calibration text.
+    `progress`: show the search's progress bar (`awq_transform`)."""
     from safetensors.torch import save_file
     if method not in ("awq", "rtn"): raise ValueError(f"method {method!r} is not supported; use 'awq' or 'rtn'")
     src, dst = Path(src), Path(dst)
@@ -678,7 +682,7 @@ def quantize_folder(src, dst, method="awq", group_size=64, n_samples=16, seq_len
     report = None
     if method == "awq":
         ids = calibration_ids(Tokenizer(src), n_samples, seq_len, calibration_text)
-        report = awq_transform(model, ids, group_size, log=log)
+        report = awq_transform(model, ids, group_size, log=log, progress=progress)
     tensors = quantize_model_tensors(model, group_size)
     dst.mkdir(parents=True, exist_ok=True)
     if report is not None: (dst / "awq_report.json").write_text(json.dumps(report))
@@ -797,13 +801,14 @@ def _quantize_args(p):
     p.add_argument("--group-size", type=int, default=64, help="inputs per scale and zero point (576 = 9 x 64)")
 
 def run_quantize(a):
+    # each layer's line is written above the progress bar (tqdm.write), both on stderr
     out = quantize_folder(check_model_folder(a.src), a.dst, method=a.method, group_size=a.group_size,
-                          log=lambda line: print(line, file=sys.stderr))
+                          log=lambda line: tqdm.write(line, file=sys.stderr), progress=True)
     print(f"wrote {out}: load it with LLM({str(out)!r}) or minfer generate --model {out}")
 
 # `minfer quantize SRC DST`, a subcommand of chapter 07c's command line
-COMMANDS["quantize"] = Command("write an AWQ (or round-to-nearest) int4 copy of a model folder (chapter 08)",
-                               _quantize_args, run_quantize)
+COMMANDS.register("quantize", Command(
+    "write an AWQ (or round-to-nearest) int4 copy of a model folder (chapter 08)", _quantize_args, run_quantize))
 
 # %% ../nbs/08_awq.ipynb #d382bb9b
 @torch.no_grad()

@@ -7,9 +7,9 @@ Docs: https://minfer.github.io/minfer/kvquant.html.md"""
 # %% auto #0
 __all__ = ['KV_CPU_SOURCE', 'KV_DTYPE_RULES', 'KVFormat', 'key_rotation', 'register_kv_format', 'DequantizedView',
            'QuantizedKVCache', 'load_scaled_tile', 'decode_attention_8bit', 'kv_cpu_kernels', 'QuantizedCpuAttention',
-           'pack_int4', 'unpack_int4', 'KIVIFormat', 'Int4View', 'Int4KVCache', 'Int4Chunks', 'Int4PagedAttention',
-           'load_int4_tile', 'decode_attention_int4', 'QuantizedTritonAttention', 'Int4TritonAttention', 'kv_logprobs',
-           'kv_quality']
+           'pack_kivi_int4', 'unpack_kivi_int4', 'KIVIFormat', 'Int4View', 'Int4KVCache', 'Int4Chunks',
+           'Int4PagedAttention', 'load_int4_tile', 'decode_attention_int4', 'QuantizedTritonAttention',
+           'Int4TritonAttention', 'kv_logprobs', 'kv_quality']
 
 # %% ../nbs/09_kvquant.ipynb #ec536a26
 import functools, math
@@ -258,13 +258,13 @@ class QuantizedCpuAttention(CpuAttention):
 KV_READERS.register(("cpu", "int8"), QuantizedCpuAttention)  # attention="cpu" over an int8 pool
 
 # %% ../nbs/09_kvquant.ipynb #3a1c4b02
-def pack_int4(codes):
+def pack_kivi_int4(codes):
     "Codes 0..15 [..., d] (d even) -> uint8 [..., d / 2]: channel 2i in the low nibble of byte i, 2i + 1 in the high."
     c = codes.to(torch.uint8)
     return c[..., 0::2] | (c[..., 1::2] << 4)
 
-def unpack_int4(packed):
-    "The inverse of `pack_int4`: uint8 [..., d / 2] -> codes [..., d] (uint8, 0..15)."
+def unpack_kivi_int4(packed):
+    "The inverse of `pack_kivi_int4`: uint8 [..., d / 2] -> codes [..., d] (uint8, 0..15)."
     return torch.stack((packed & 15, packed >> 4), -1).flatten(-2)
 
 @dataclass(frozen=True)
@@ -302,22 +302,22 @@ class KIVIFormat:
     def quantize_keys(self, x):
         "Keys of whole blocks [blocks, block_size, kv_heads, d] -> packed codes, and scale, zero [blocks, kv_heads, d]."
         codes, scale, zero = self._quantize(x, 1)
-        return pack_int4(codes), scale[:, 0], zero[:, 0]
+        return pack_kivi_int4(codes), scale[:, 0], zero[:, 0]
 
     def quantize_values(self, x):
         "Values [..., kv_heads, d] -> packed codes [..., kv_heads, d / 2], and scale, zero [..., kv_heads, d / group]."
         codes, scale, zero = self._quantize(x.unflatten(-1, (-1, self.group_of(x.shape[-1]))), -1)
-        return pack_int4(codes.flatten(-2)), scale[..., 0], zero[..., 0]
+        return pack_kivi_int4(codes.flatten(-2)), scale[..., 0], zero[..., 0]
 
     @staticmethod
     def dequantize_keys(packed, scale, zero, dtype=torch.float32):
         "Packed codes [..., kv_heads, d / 2] with the scale and zero [..., kv_heads, d] of their blocks -> [..., d]."
-        return (unpack_int4(packed).float() * scale.float() + zero.float()).to(dtype)
+        return (unpack_kivi_int4(packed).float() * scale.float() + zero.float()).to(dtype)
 
     @staticmethod
     def dequantize_values(packed, scale, zero, dtype=torch.float32):
         "Packed codes [..., kv_heads, d / 2] with their scale and zero [..., kv_heads, groups] -> [..., kv_heads, d]."
-        codes = unpack_int4(packed).float().unflatten(-1, (scale.shape[-1], -1))
+        codes = unpack_kivi_int4(packed).float().unflatten(-1, (scale.shape[-1], -1))
         return (codes * scale.float()[..., None] + zero.float()[..., None]).flatten(-2).to(dtype)
 
     def block_bytes(self, cfg, block_size):

@@ -20,8 +20,8 @@ from safetensors.torch import save_file
 from minfer.model import Llama, ModelConfig, NoCache, Tokenizer, data_dir, load_model
 from minfer.awq import (AWQLinear, awq_bytes_per_token, awq_gemm, awq_transform, calibration_ids, check_awq_config,
                         dequantize_awq, dequantize_groups, fake_quantize, fuse_awq, is_awq_folder, load_awq_model,
-                        pack_awq, pack_int4, perplexity, quantize_folder, quantize_groups, search_clip, apply_clip,
-                        unpack_int4)
+                        pack_awq, pack_awq_int4, perplexity, quantize_folder, quantize_groups, search_clip, apply_clip,
+                        unpack_awq_int4)
 
 DEV = "cuda" if CUDA else "cpu"
 gpu = pytest.mark.gpu
@@ -107,11 +107,11 @@ def random_weight(out_features, in_features, seed=0):
 
 def test_hand_derived_bit_patterns():
     # nibble i holds column [0, 2, 4, 6, 1, 3, 5, 7][i]: columns 0..7 holding 0..7 read 0x75316420
-    assert pack_int4(torch.arange(8)[None]).item() == 0x75316420
-    assert pack_int4(torch.tensor([[1, 0, 0, 0, 0, 0, 0, 0]])).item() == 1
-    assert pack_int4(torch.tensor([[0, 1, 0, 0, 0, 0, 0, 0]])).item() == 1 << 16       # column 1 -> nibble 4
-    assert pack_int4(torch.tensor([[0, 0, 0, 0, 0, 0, 0, 9]])).item() == -(2**31) + (1 << 28)  # column 7 -> nibble 7
-    assert torch.equal(unpack_int4(torch.tensor([[0x75316420, -1]], dtype=torch.int32)),
+    assert pack_awq_int4(torch.arange(8)[None]).item() == 0x75316420
+    assert pack_awq_int4(torch.tensor([[1, 0, 0, 0, 0, 0, 0, 0]])).item() == 1
+    assert pack_awq_int4(torch.tensor([[0, 1, 0, 0, 0, 0, 0, 0]])).item() == 1 << 16       # column 1 -> nibble 4
+    assert pack_awq_int4(torch.tensor([[0, 0, 0, 0, 0, 0, 0, 9]])).item() == -(2**31) + (1 << 28)  # col 7: nibble 7
+    assert torch.equal(unpack_awq_int4(torch.tensor([[0x75316420, -1]], dtype=torch.int32)),
                        torch.tensor([list(range(8)) + [15] * 8], dtype=torch.int32))
 
 

@@ -5,7 +5,7 @@ itself (within the most 8-bit rounding can move a product: half a step per input
 import ctypes, platform
 import pytest, torch
 
-from minfer.awq import (AWQLinear, AWQ_CPU_SOURCE, awq_cpu_available, matmul_q4x8, pack_q4x8, unpack_int4)
+from minfer.awq import (AWQLinear, AWQ_CPU_SOURCE, awq_cpu_available, matmul_q4x8, pack_q4x8, unpack_awq_int4)
 from minfer.cpu_kernels import build_cpu_kernels, load_kernels
 from minfer.cpu_step import STEP_CXX_FLAGS
 
@@ -19,7 +19,7 @@ def random_awq(n_out, n_in, group_size, seed=0):
 
 
 def q4x8_weights(lin):
-    return pack_q4x8(unpack_int4(lin.qweight).T, lin.scales.T, unpack_int4(lin.qzeros).T)
+    return pack_q4x8(unpack_awq_int4(lin.qweight).T, lin.scales.T, unpack_awq_int4(lin.qzeros).T)
 
 
 def q8_round(x, block=32):

@@ -17,7 +17,7 @@ PKG = ROOT / "minfer"
 # and strings (a word with no "_" or space must match a whole part of a snake_case or dotted name)
 VOCABULARY = {
     "05a_flash": ["triton", "flash"],
-    "08_awq": ["awq", "int4", "q4x8", "pack_int4", "group_size"],
+    "08_awq": ["awq", "int4", "q4x8", "pack_awq_int4", "group_size"],
     "09_kvquant": ["kv_dtype", "kvquant", "int8", "fp8", "kv_quant"],
     "10a_speculative": ["speculat", "draft", "ngram", "prompt_lookup", "proposer", "num_speculative_tokens",
                         "SPECULATORS", "accepted_tokens", "spec_judged", "spec_accepted"],
