@@ -6,7 +6,7 @@ Docs: https://minfer.github.io/minfer/engine.html.md"""
 
 # %% auto #0
 __all__ = ['SWITCHES', 'CONFIG_RULES', 'KERNELS', 'WORKER_ENGINES', 'root_paths', 'ModelRunner', 'LLMEngine', 'step', 'Switch',
-           'EngineConfig', 'parse_cores', 'usable_cores', 'Rule', 'auto_fields', 'auto_candidates', 'config_rules',
+           'EngineConfig', 'parse_cores', 'usable_cores', 'Rule', 'auto_fields', 'auto_candidates', 'all_rules',
            'resolve_config', 'worker_engine', 'build_model', 'engine_options', 'attach_switches', 'build_engine',
            'make_workload', 'serve', 'workload_sequence', 'summarize', 'plot_gantt']
 
@@ -453,7 +453,7 @@ def auto_candidates(name, c):
         raise ValueError(f"{name} has no 'auto'")
     return SWITCHES[name].auto(c)
 
-def config_rules():
+def all_rules():
     "Every rule: this chapter's table, then the rules of each switch later chapters registered, in their order."
     return CONFIG_RULES + [r for s in SWITCHES.values() for r in s.rules]
 
@@ -480,7 +480,7 @@ def _assign(c, names, rules, autos):
 
 def resolve_config(config):
     """`config` with every 'auto' replaced by what runs here. What the user set is fixed; each 'auto' (in the order of
-    `auto_fields`) takes the first of its candidates that leaves a way to satisfy every rule (`config_rules`), so an
+    `auto_fields`) takes the first of its candidates that leaves a way to satisfy every rule (`all_rules`), so an
     'auto' never conflicts with an explicit value. When nothing runs, the refusal is the first rule that no choice of
     the 'auto' switches satisfies: a conflict between values the user set, or with this machine or this folder."""
     config = config.check_values()
@@ -490,7 +490,7 @@ def resolve_config(config):
     for name, switch in SWITCHES.items():  # what a switch's value means once the folder is known
         if switch.resolve is not None:
             c = c.replace(**{name: switch.resolve(getattr(c, name), c)})
-    rules, autos = config_rules(), auto_fields()
+    rules, autos = all_rules(), auto_fields()
     assign = lambda rules: _assign(c, autos, rules, autos)
     for rule in rules:  # rules over switches that have no 'auto' left: what the user set, as set
         if _decided_by(rule, autos) is None and rule.refuses(c):

@@ -5,7 +5,7 @@ between the two; no refusal suggests "auto". The resolved defaults are the faste
 import os, re
 import pytest, torch
 
-from minfer.engine import EngineConfig, SWITCHES, config_rules
+from minfer.engine import EngineConfig, SWITCHES, all_rules
 from minfer.speculative import SpeculativeConfig
 from minfer.cpu_kernels import cxx_compiler
 
@@ -115,7 +115,7 @@ def test_a_conflict_between_explicit_values_is_one_line_naming_both():
 def test_every_rule_reads_what_it_says():
     "A rule that reads a field it does not declare could be checked before `resolve` decides that field."
     names = set(SWITCHES)
-    for rule in config_rules():
+    for rule in all_rules():
         assert rule.reads and set(rule.reads) <= names, rule.reads
         src = rule.refuses.__code__.co_names + rule.message.__code__.co_names
         used = {n for n in src if n in names} - {"model"}

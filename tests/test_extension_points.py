@@ -2,6 +2,8 @@
 registered here, in a test, and the engine runs with it without any library file knowing its name. Registries are
 add-only: a different entry under a taken name is refused, the same definition run again (a notebook cell re-run) is
 not."""
+import json
+
 import pytest
 import torch
 
@@ -102,3 +104,40 @@ def test_a_toy_subcommand(monkeypatch, capsys):
         lambda args: print(f"hello, {args.name}")))
     assert cli_main(["toy-hello", "--name", "reader"]) == 0
     assert capsys.readouterr().out.strip() == "hello, reader"
+
+
+def test_a_toy_model_family(tmp_path, monkeypatch):
+    """A model_type registered from here: its checkpoint names tensors its own way (`renames` map them to Llama's) and
+    its config spells the RMSNorm epsilon differently (`describe` reads it). Checked against transformers' forward of
+    the same weights, loaded by the engine, and refused in one line once unregistered."""
+    from safetensors.torch import load_file, save_file
+    from minfer.model import MODEL_FAMILIES, Family, ModelConfig, NoCache, describe_llama, load_model
+    from minfer.families import tiny_random_model
+    ref = tiny_random_model("llama", tmp_path / "llama", rms_norm_eps=1e-2)
+    toy = tmp_path / "toy"
+    toy.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (toy / f).write_bytes((tmp_path / "llama" / f).read_bytes())
+    config = json.loads((tmp_path / "llama" / "config.json").read_text())
+    config.update(model_type="toy_llama", toy_norm_eps=config.pop("rms_norm_eps"))
+    (toy / "config.json").write_text(json.dumps(config))
+    tensors = load_file(tmp_path / "llama" / "model.safetensors")
+    save_file({k.replace("model.layers.", "blocks."): v for k, v in tensors.items()}, toy / "model.safetensors")
+
+    def describe_toy(d):
+        return dict(describe_llama(d), rms_norm_eps=d["toy_norm_eps"])
+    monkeypatch.setitem(MODEL_FAMILIES, "toy_llama", Family(describe_toy, renames=((r"^blocks\.", "model.layers."),)))
+    assert ModelConfig.from_folder(toy).rms_norm_eps == 1e-2
+    ids = torch.randint(3, 1000, (24,), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        ours = torch.log_softmax(load_model(toy)(ids, torch.arange(len(ids)), NoCache()), -1)
+        theirs = torch.log_softmax(ref(ids[None]).logits[0].float(), -1)
+    assert (ours - theirs).abs().max().item() < 1e-4
+    got = LLM(str(toy), kernels="torch").generate("The capital of France is", SamplingParams(max_tokens=6,
+                                                  ignore_eos=True), raw=True, use_tqdm=False)[0]
+    prompt = torch.tensor([got.prompt_token_ids])
+    want = ref.generate(prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False)[0, prompt.shape[1]:]
+    assert got.token_ids == want.tolist()
+    monkeypatch.delitem(MODEL_FAMILIES, "toy_llama")
+    with pytest.raises(ValueError, match="model_type='toy_llama' is not supported"):
+        ModelConfig.from_config(config)
