@@ -13,7 +13,7 @@ import argparse, json, sys
 from dataclasses import dataclass
 from typing import Callable
 from .model import Registry
-from .sampling import SamplingParams
+from .sampling import LOGITS_PROCESSORS, SamplingParams
 from .llm import LLM, add_engine_args, decode_breakdown, engine_switches
 from .roofline import decode_bytes_per_token, measure_bandwidth
 
@@ -51,19 +51,23 @@ def add_generation_args(p):
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--structured-outputs", default=None, metavar="JSON",
-                   help='constrain the output (ch. 14), vLLM\'s shape: \'{"json": SCHEMA}\', \'{"regex": "..."}\', '
-                        '\'{"choice": ["yes", "no"]}\', \'{"grammar": "..."}\' or \'{"json_object": true}\'')
+    for name, option in LOGITS_PROCESSORS.items():  # the keywords later chapters add to SamplingParams, as JSON
+        p.add_argument("--" + name.replace("_", "-"), default=None, metavar="JSON", help=option.help)
     p.add_argument("--metrics", action="store_true", help="print TTFT, TPOT, tokens/s and bytes/token")
 
 def sampling_params(a):
     "The `SamplingParams` of parsed flags."
-    structured = getattr(a, "structured_outputs", None)
-    if structured is not None:
-        try: structured = json.loads(structured)
-        except json.JSONDecodeError as e: raise ValueError(f"--structured-outputs is not valid JSON ({e})") from None
+    options = {}
+    for name in LOGITS_PROCESSORS:
+        text = getattr(a, name, None)
+        if text is None:
+            continue
+        try:
+            options[name] = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--{name.replace('_', '-')} is not valid JSON ({e})") from None
     return SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
-                          seed=a.seed, stop=a.stop, structured_outputs=structured)
+                          seed=a.seed, stop=a.stop, **options)
 
 def print_metrics(m, file=sys.stderr):
     fmt = lambda v: "-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))

@@ -404,8 +404,15 @@ class DisaggEngine:
     def __repr__(self):
         return f"DisaggEngine(prefill pid {self.procs['prefill'].pid}, decode pid {self.procs['decode'].pid})"
 
+    # why it runs no logits processor (chapter 02b's; chapter 14's output constraints are one): the decode worker
+    # samples in its own process. Chapter 07a's `LLM.prepare` refuses such a request with this line, before any work.
+    logits_processor_refusal = ("pd_split=True's decode worker samples without logits processors; serve such "
+                                "requests from an LLM without pd_split")
+
     def add(self, seq, forks=()):
         self._check_open()
+        if seq.logits_processor is not None:
+            raise ValueError(self.logits_processor_refusal)
         need = -(-seq.max_len // self.cache.block_size)
         if need > self.cache.num_blocks:
             raise ValueError(f"request needs {need} KV blocks (prompt + max_tokens = {seq.max_len} tokens), the pool "

@@ -578,23 +578,27 @@ def verify(self, seq, logits):
     row 1 + i node i's. The accepted path (`tree_greedy` at temperature 0, else `tree_sample`) and one token; the
     path's K/V move from positions c + 1 + i to c + 1, c + 2, ... (c: the root's position) in every layer, so the
     sequence's KV is what a chain of those tokens would have written; the rest is released when the scheduler
-    truncates the block table. An output constraint masks each row on the path as it stands there."""
+    truncates the block table. A logits processor (an output constraint, chapter 14) masks each row on the path as it
+    stands there."""
     if seq.draft_parents is None: return Speculator.verify(self, seq, logits)
     drafts, parents, params, c = seq.draft_ids, seq.draft_parents[:len(seq.draft_ids)], seq.params, seq.num_computed
-    walked = []  # tokens the constraint (chapter 14) has been advanced by, to roll back
+    walked = []  # tokens the logits processor has been advanced by, to roll back
     def row_logits(row):
-        if seq.constraint is None: return logits[row]
+        processor = seq.logits_processor
+        if processor is None:
+            return logits[row]
         on_path = tree_path_tokens(drafts, parents, row)
         for t in on_path[len(walked):]:
-            seq.constraint.accept(t)
+            processor.accept(t)
             walked.append(t)
-        return seq.constraint.mask(logits[row])
+        return processor.mask(logits[row])
     if params.temperature == 0: path, out = tree_greedy(lambda row: sample(row_logits(row), params), drafts, parents)
     else:
         depth = max(tree_depths(parents), default=0)
         gens = [seq.token_generator(ahead=j, device=logits.device) for j in range(depth + 1)]
         path, out = tree_sample(lambda row: sampling_probs(row_logits(row), params), drafts, parents, gens)
-    if walked: seq.constraint.rollback(len(walked))
+    if walked:
+        seq.logits_processor.rollback(len(walked))
     table = seq.block_table
     moves = [(table.slots(c + 1 + i, c + 2 + i)[0], table.slots(c + 1 + j, c + 2 + j)[0])
              for j, i in enumerate(path) if i != j]

@@ -18,7 +18,7 @@ from fastcore.basics import patch
 from tqdm.auto import tqdm
 from .model import ModelConfig, Registry, Tokenizer
 from .sequence import SamplingParams, Sequence
-from .sampling import make_constraint
+from .sampling import LOGITS_PROCESSORS
 from .engine import SWITCHES, EngineConfig, build_model, build_engine, worker_engine
 from .cpu_step import StepLlama
 from .roofline import decode_bytes_per_token
@@ -127,7 +127,7 @@ class LLM:
 # %% ../nbs/07a_llm.ipynb #194dca60
 class RequestError(ValueError):
     """A request `LLM.prepare` refuses, in one line; `field` names the part at fault ('prompt', 'params' or
-    'structured_outputs'), so a server can name it to its client."""
+    the name of a registered `SamplingParams` option), so a server can name it to its client."""
     def __init__(self, message, field=None):
         super().__init__(message)
         self.field = field
@@ -138,7 +138,7 @@ class PreparedPrompt:
     prompt: str          # as given (a conversation: the text its chat template rendered)
     token_ids: list
     params: SamplingParams
-    constraint: object = None  # a factory of fresh output-constraint states (chapter 14), or None
+    new_processor: object = None  # makes a fresh logits processor for each sample (chapter 02b), or None
 
 @dataclass
 class PreparedRequest:
@@ -177,7 +177,7 @@ def _conversations(messages):
 @patch
 def prepare(self: LLM, prompts, params=None, chat=False, raw=None):
     """Check a request and do its expensive work once: render chat templates, tokenize, check the context
-    window, compile the output constraint. -> `PreparedRequest`; one-line `RequestError` (a `ValueError`) for
+    window, compile the registered options. -> `PreparedRequest`; one-line `RequestError` (a `ValueError`) for
     bad input. It reads nothing the engine changes, so any thread may call it.
     `prompts`: a string or a list of them; with `chat=True`, one conversation or a list of them.
     `params`: one `SamplingParams` for all, or one per prompt. `raw`: as in `generate` (text prompts only)."""
@@ -200,7 +200,7 @@ def prepare(self: LLM, prompts, params=None, chat=False, raw=None):
             sp.validate()
         except ValueError as e:
             raise RequestError(str(e), "params") from None
-        constraint = self._constraint(sp)
+        new_processor = self._logits_processor(sp)
         rendered = self._render_chat([{"role": "user", "content": text}]) if wrap else text
         try:
             rendered.encode()
@@ -210,23 +210,31 @@ def prepare(self: LLM, prompts, params=None, chat=False, raw=None):
         if len(ids) >= self.max_request_tokens:
             raise RequestError(f"prompt {i} is {len(ids)} tokens; at most {self.max_request_tokens - 1} fit "
                                f"(context window {self.max_model_len}, KV pool included)", "prompt")
-        prepared.prompts.append(PreparedPrompt(text, ids, sp, constraint))
+        prepared.prompts.append(PreparedPrompt(text, ids, sp, new_processor))
     return prepared
 
 @patch
-def _constraint(self: LLM, params):
-    """The factory of `params`' output-constraint states (chapter 14 registers the kinds), or None; one line for a
-    spec that cannot run here, before any work."""
-    if params.structured_outputs is None:
+def _logits_processor(self: LLM, params):
+    """-> what makes a fresh logits processor for each sample of `params`, compiled from its registered options
+    (02b's `LOGITS_PROCESSORS`), or None; one line naming the option for one that cannot run here, before any work."""
+    made = {}
+    for name, value in params.options.items():
+        try:
+            new = LOGITS_PROCESSORS[name].compile(value, self.tokenizer, self.eos_ids)
+        except ValueError as e:
+            raise RequestError(str(e), name) from None
+        if new is not None:
+            made[name] = new
+    if not made:
         return None
-    # the switch exists once chapter 11 is loaded: its decode worker samples in another process
-    if dict(self.config.items()).get("pd_split"):
-        raise RequestError("structured_outputs: pd_split=True's decode worker samples without the constraint; "
-                           "serve constrained requests from an LLM without pd_split", "structured_outputs")
-    try:
-        return make_constraint(params, self.tokenizer, self.eos_ids)
-    except ValueError as e:
-        raise RequestError(str(e), "structured_outputs") from None
+    first = next(iter(made))
+    if len(made) > 1:
+        raise RequestError(f"{', '.join(made)}: a sequence runs one logits processor; send one of them", first)
+    # an engine that samples where a processor cannot follow says why (chapter 11's decode worker process)
+    refusal = getattr(self.engine, "logits_processor_refusal", None)
+    if refusal is not None:
+        raise RequestError(f"{first}: {refusal}", first)
+    return made[first]
 
 @patch
 def _render_chat(self: LLM, conversation):
@@ -270,7 +278,7 @@ def submit(self: LLM, prepared):
             max_len = min(len(p.token_ids) + p.params.max_tokens, self.max_request_tokens)
             seqs = [Sequence(p.token_ids, p.params, self.tokenizer, self.eos_ids, max_len=max_len,
                              seed=None if p.params.seed is None else p.params.seed + i,
-                             constraint=None if p.constraint is None else p.constraint())
+                             logits_processor=None if p.new_processor is None else p.new_processor())
                     for i in range(p.params.n)]
             for s in seqs:
                 if prepared.arrival_time is not None:

@@ -75,7 +75,7 @@ class Sequence:
     max_len: int | None = None         # prompt + generated tokens at most (default: prompt + max_tokens)
     seed: int | None = None            # None: params.seed, else a random one
     request_id: int | None = None      # the request this sample belongs to (n > 1: several sequences share it)
-    constraint: object = None          # its output constraint's state (chapter 14): masks logits, follows the tokens
+    logits_processor: object = None    # its `LogitsProcessor` (chapter 02b): masks its logits, follows its tokens
     # state
     id: int = field(init=False)
     output_ids: list = field(init=False, default_factory=list)
@@ -128,17 +128,20 @@ class Sequence:
         return torch.Generator(device=device).manual_seed(seed)
 
     def append(self, token, logprobs=None, jump=True):
-        """Add a generated token (and its logprobs entry); update text, stop state and timings. An output constraint
-        advances on it and may force the tokens after it: with `jump` they are appended at once, without a forward pass
-        of their own (jump-forward decoding, chapter 14); the next step computes their KV as it does a prompt's. (Not
-        after a forced token, nor inside a verified speculative run of tokens: only after its last, chapter 10.)"""
+        """Add a generated token (and its logprobs entry); update text, stop state and timings. The logits processor
+        advances on it and may force the tokens after it: with `jump` they are appended at once, without a forward
+        pass of their own; the next step computes their KV as it does a prompt's. (Not after a forced token, nor inside
+        a verified run of guessed tokens: only after its last, chapter 10.) A sequence that reports logprobs takes no
+        forced tokens: each of its tokens is sampled, so each has its distribution."""
         now = time.perf_counter()
         if not self.output_ids: self.metrics.first_token_time = now
         self.output_ids.append(token)
         if self.logprobs is not None: self.logprobs.append(logprobs)
         self.metrics.num_generated_tokens = len(self.output_ids)
         if token in self.eos_ids: return self._finish("stop", now)
-        if self.constraint is not None: self.constraint.accept(token)
+        processor = self.logits_processor
+        if processor is not None:
+            processor.accept(token)
         if self.tokenizer is not None:
             searched = len(self.text)  # text before this token holds no stop string: search only what is new
             self._detokenize()
@@ -150,12 +153,15 @@ class Sequence:
         if len(self.output_ids) >= self.params.max_tokens or len(self) >= self.max_len:
             if self.tokenizer is not None: self._detokenize(final=True)
             return self._finish("length", now)
-        if self.constraint is not None and self.constraint.done:  # the structure is complete: nothing may follow
-            if self.tokenizer is not None: self._detokenize(final=True)
+        if processor is not None and processor.done:  # nothing may follow
+            if self.tokenizer is not None:
+                self._detokenize(final=True)
             return self._finish("stop", now)
-        if self.constraint is None or not jump: return
-        for t in self.constraint.forced():
-            if not self.finished: self.append(t, None if self.logprobs is None else {}, jump=False)
+        if processor is None or not jump or self.logprobs is not None:
+            return
+        for t in processor.forced():
+            if not self.finished:
+                self.append(t, jump=False)
 
     def _detokenize(self, final=False):
         ids = self.output_ids

@@ -7,7 +7,7 @@ Docs: https://minfer.github.io/minfer/speculative.html.md"""
 # %% auto #0
 __all__ = ['PRIOR_ALPHA', 'STEP_TIMES', 'PRIOR_WEIGHT', 'SPECULATORS', 'ngram_propose', 'NgramProposer', 'rejection_sample',
            'expected_tokens', 'speculation_lengths', 'step_time', 'step_bytes', 'RequestGuesses', 'count_verify',
-           'acceptance_rate', 'SpeculativeConfig', 'speculative_config', 'constrained_rows', 'Speculator',
+           'acceptance_rate', 'SpeculativeConfig', 'speculative_config', 'processed_rows', 'Speculator',
            'NgramSpeculator', 'DraftProposer', 'DraftSpeculator']
 
 # %% ../nbs/10a_speculative.ipynb #ec3acfc9
@@ -251,17 +251,17 @@ SWITCHES.register("speculative", Switch(
                        "window is quantized already); use kv_dtype='int8' with speculative decoding"))))
 
 # %% ../nbs/10a_speculative.ipynb #d4fad094
-def constrained_rows(constraint, logits, guesses):
-    """Verify rows under an output constraint: row j masked by the constraint's state after guesses[:j]. The state walks
+def processed_rows(processor, logits, guesses):
+    """Verify rows under a sequence's logits processor: row j masked by its state after guesses[:j]. The state walks
     the guesses it allows and is rolled back at once, so it advances only when the accepted tokens are appended. A
     guess it forbids has probability 0 in its row and is rejected there; the rows after it are never read."""
     rows, walked = [], 0
     for j in range(len(guesses) + 1):
-        rows.append(constraint.mask(logits[j]))
+        rows.append(processor.mask(logits[j]))
         if j == len(guesses) or not torch.isfinite(rows[-1][guesses[j]]): break
-        constraint.accept(guesses[j])
+        processor.accept(guesses[j])
         walked += 1
-    constraint.rollback(walked)
+    processor.rollback(walked)
     return torch.cat([torch.stack(rows), logits[len(rows):]])
 
 class Speculator:
@@ -323,10 +323,12 @@ class Speculator:
         for s, k in zip(seqs, ks): s.draft_ids = s.draft_ids[:k]
 
     def verify(self, seq, logits):
-        """logits [k + 1, vocab]: row j is the target's prediction for output position j of this step. Under an output
-        constraint (chapter 14) row j is masked as the constraint stands after guesses 1..j (`constrained_rows`)."""
+        """logits [k + 1, vocab]: row j is the target's prediction for output position j of this step. Under a logits
+        processor (an output constraint, chapter 14) row j is masked as it stands after guesses 1..j
+        (`processed_rows`)."""
         drafts, params, raw = seq.draft_ids, seq.params, logits
-        if seq.constraint is not None: logits = constrained_rows(seq.constraint, logits, drafts)
+        if seq.logits_processor is not None:
+            logits = processed_rows(seq.logits_processor, logits, drafts)
         if params.temperature == 0:  # greedy: accept while the guess is the target's argmax, exactly `sample`'s choice
             out = []
             for j, d in enumerate(drafts + [None]):

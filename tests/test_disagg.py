@@ -169,6 +169,10 @@ def test_idle_time_is_not_silence(split, tok):
 def test_bad_request_is_one_line_and_engine_stays_usable(split, tok):
     seq, _ = greedy(list(range(10, 10 + DECODE_BLOCKS * 16)), 8)
     with pytest.raises(ValueError, match="KV blocks"): split.add(seq)
+    masked, _ = greedy(tok.encode("Hello"), 2)
+    masked.logits_processor = object()  # the decode worker samples in its own process: no processor can follow it
+    with pytest.raises(ValueError, match="^pd_split=True's decode worker samples without logits processors"):
+        split.add(masked)
     s, f = greedy(tok.encode("Hello"), 2)
     run(split, [(s, f)])
     assert len(s.output_ids) == 2
@@ -176,6 +180,7 @@ def test_bad_request_is_one_line_and_engine_stays_usable(split, tok):
 
 def test_llm_pd_split_matches_and_a_dead_worker_ends_requests_with_an_error(tok, colocated):
     from minfer import LLM
+    from minfer.llm import RequestError
     llm = LLM(pd_split=True, max_num_batched_tokens=64)
     pids = [p.pid for p in llm.engine.procs.values()]
     try:
@@ -184,6 +189,12 @@ def test_llm_pd_split_matches_and_a_dead_worker_ends_requests_with_an_error(tok,
         outs = llm.generate(prompts, sp, raw=True)
         assert [o.token_ids for o in outs] == reference(colocated, [tok.encode(p) for p in prompts], 12)
         assert "pd_split=True" in repr(llm) and llm.prefill_cores and llm.decode_cores
+        # a request whose option compiles to a logits processor (chapter 14's constraints) is refused at the door,
+        # in one line naming the option, before any work: the engine says why (`logits_processor_refusal`)
+        constrained = SamplingParams(structured_outputs={"choice": ["yes", "no"]})
+        with pytest.raises(RequestError, match="^structured_outputs: pd_split=True's decode worker") as refused:
+            llm.prepare("hi", constrained)
+        assert refused.value.field == "structured_outputs" and not llm.has_unfinished()
         seq, = llm.add_request("Once upon a time", SamplingParams(max_tokens=200, ignore_eos=True), raw=True)
         while not seq.output_ids: llm.step()
         os.kill(llm.engine.procs["decode"].pid, signal.SIGKILL)

@@ -2,6 +2,7 @@
 registered here, in a test, and the engine runs with it without any library file knowing its name. Registries are
 add-only: a different entry under a taken name is refused, the same definition run again (a notebook cell re-run) is
 not."""
+import dataclasses
 import json
 
 import pytest
@@ -141,3 +142,131 @@ def test_a_toy_model_family(tmp_path, monkeypatch):
     monkeypatch.delitem(MODEL_FAMILIES, "toy_llama")
     with pytest.raises(ValueError, match="model_type='toy_llama' is not supported"):
         ModelConfig.from_config(config)
+# ---- a request option (chapter 02b's LOGITS_PROCESSORS), its body field (07b's REQUEST_FIELDS) and its flag (07c)
+class EvenOnly:
+    "A toy output constraint: only even token ids."
+    done = False
+
+    def mask(self, logits):
+        odd = torch.arange(logits.shape[-1], device=logits.device) % 2 == 1
+        return logits.masked_fill(odd, float("-inf"))
+
+    def accept(self, token):
+        pass
+
+    def forced(self):
+        return []
+
+    def rollback(self, n):
+        pass
+
+
+class Suffix:
+    "A toy constraint that forces a fixed suffix after the first token (only it is allowed there), then lets go."
+    def __init__(self, suffix):
+        self.suffix, self.seen, self.done = suffix, 0, False
+
+    def pending(self):
+        return self.suffix[self.seen - 1:] if 1 <= self.seen <= len(self.suffix) else []
+
+    def mask(self, logits):
+        if not self.pending():
+            return logits
+        only = torch.full_like(logits, float("-inf"))
+        only[self.pending()[0]] = 0
+        return logits + only
+
+    def accept(self, token):
+        self.seen += 1
+
+    def forced(self):
+        return self.pending()
+
+    def rollback(self, n):
+        self.seen -= n
+
+
+def must_be_true(value):
+    if value is not True:
+        raise ValueError("use true")
+
+
+def must_be_text(value):
+    if not isinstance(value, str) or not value:
+        raise ValueError("use a non-empty string")
+
+
+@pytest.fixture
+def toy_options(monkeypatch):
+    from minfer.serve import REQUEST_FIELDS, RequestField
+    from minfer.sampling import LOGITS_PROCESSORS, ProcessorOption
+    monkeypatch.setitem(LOGITS_PROCESSORS, "even_only", ProcessorOption(
+        must_be_true, lambda value, tokenizer, eos_ids: EvenOnly, "only even token ids (true)"))
+    monkeypatch.setitem(LOGITS_PROCESSORS, "toy_suffix", ProcessorOption(
+        must_be_text, lambda text, tokenizer, eos_ids: lambda: Suffix(tokenizer.encode(text)), "a suffix to force"))
+    monkeypatch.setitem(REQUEST_FIELDS, "even_only", RequestField(("even_only", "onlyEven"),
+                                                                  lambda given: next(iter(given.values()))))
+
+
+def greedy(model, ids, n, allowed=lambda logits: logits):
+    "The reference: n greedy tokens after `ids`, each from a full forward pass over everything before it."
+    from minfer.model import NoCache
+    out = []
+    for _ in range(n):
+        seq = ids + out
+        with torch.inference_mode():
+            logits = model(torch.tensor(seq), torch.arange(len(seq)), NoCache(), logits_rows=[-1])[0]
+        out.append(int(allowed(logits).argmax()))
+    return out
+
+
+def even_argmax(logits):
+    "The largest even-id logit, picked by slicing (not by masking, as the processor does)."
+    evens = torch.full_like(logits, float("-inf"))
+    evens[0::2] = logits[0::2]
+    return evens
+
+
+def test_a_toy_output_constraint_through_generate(model_dir, model, toy_options):
+    llm = LLM(model_dir)
+    prompt = "Once upon a time"
+    out = llm.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True, even_only=True), raw=True)[0]
+    assert out.token_ids == greedy(model, out.prompt_token_ids, 8, even_argmax)
+    assert all(t % 2 == 0 for t in out.token_ids)
+    free = llm.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True), raw=True)[0]
+    assert any(t % 2 for t in free.token_ids)  # the constraint changed something
+    with pytest.raises(ValueError, match="even_only=3 is invalid; use true"):
+        SamplingParams(even_only=3)
+    # forced tokens: appended at once without a pass of their own, unless the request reports logprobs
+    suffix = llm.tokenizer.encode(" and so on, and so forth")
+    params = SamplingParams(max_tokens=len(suffix) + 4, ignore_eos=True, toy_suffix=" and so on, and so forth")
+    jumped = llm.generate(prompt, params, raw=True)[0]
+    first = greedy(model, jumped.prompt_token_ids, 1)
+    want = first + suffix + greedy(model, jumped.prompt_token_ids + first + suffix, 3)
+    assert jumped.token_ids == want and jumped.metrics["tokens_per_pass"] > 2
+    stepped = llm.generate(prompt, dataclasses.replace(params, logprobs=0), raw=True)[0]
+    assert stepped.token_ids == want and stepped.metrics["tokens_per_pass"] == 1
+    assert len(stepped.samples[0].logprobs) == len(want)
+    with pytest.raises(ValueError, match="one logits processor"):
+        llm.generate(prompt, SamplingParams(even_only=True, toy_suffix="x"))
+    assert not llm.has_unfinished()
+
+
+def test_a_toy_option_over_http_and_on_the_command_line(model_dir, model, toy_options, capsys):
+    "The body field registered for it (either spelling) reaches SamplingParams; a bad value is a 400 naming the field."
+    import httpx
+    from minfer.serve import serve_in_thread
+    llm = LLM(model_dir)
+    prompt = "Once upon a time"
+    want = greedy(model, llm.tokenizer.encode(prompt), 6, even_argmax)
+    with serve_in_thread(llm) as srv:
+        for spelling in ("even_only", "onlyEven"):
+            r = httpx.post(srv.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0,
+                                                             "ignore_eos": True, spelling: True}, timeout=60)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == llm.tokenizer.decode(want), r.text
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": prompt, "onlyEven": 3}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "onlyEven", r.text
+        assert "use true" in r.json()["error"]["message"]
+    assert cli_main(["generate", prompt, "--raw", "--max-tokens", "6", "--even-only", "true"]) == 0
+    text = capsys.readouterr().out.strip()
+    assert llm.tokenizer.decode(want).strip().startswith(text)  # ends at EOS if an even EOS came first

@@ -46,7 +46,7 @@ def run_batch(llm, prompts, broken=None, fail_at=3):
     for i, p in enumerate(prompts):
         s, = llm.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True), raw=True)
         if i == broken:
-            s.constraint = BrokenConstraint(fail_at)
+            s.logits_processor = BrokenConstraint(fail_at)
         seqs.append(s)
     while llm.has_unfinished():
         llm.step()

@@ -32,7 +32,7 @@ SECRET = "the matcher's internal state, which no client should see"
 LAUNCH = f'''
 import sys
 import minfer
-from minfer.sampling import STRUCTURED_OUTPUTS
+from minfer.structured import STRUCTURED_OUTPUTS
 
 minfer.load_all()  # as `minfer serve` does: every chapter's entries (chapter 14's output constraints among them)
 

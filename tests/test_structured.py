@@ -13,7 +13,7 @@ import regex
 import torch
 
 from minfer import LLM, SamplingParams
-from minfer.sampling import make_constraint
+from minfer.structured import make_constraint
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
@@ -65,7 +65,7 @@ def test_mask_equals_partial_regex_match(llm):
     allowed after `prefix` iff `prefix + text(t)` can still become a full match (the `regex` package's partial
     matching); end-of-sequence iff `prefix` is a full match. Checked at every token boundary of a matching string."""
     tok = llm.tokenizer
-    make = make_constraint(SamplingParams(structured_outputs={"regex": NAME_RX}), tok, llm.eos_ids)
+    make = make_constraint({"regex": NAME_RX}, tok, llm.eos_ids)
     state, prefix = make(), ""
     texts = {t: tok.decode([t], skip_special_tokens=False) for t in range(3000)}
     special = {t["id"] for t in json.loads(tok.tok.to_str())["added_tokens"] if t["special"]}
