@@ -55,7 +55,7 @@ class HalfPool(PagedKVCache):
 
 
 class HalfFormat:
-    name, truncatable, movable, runs = "toy-half", True, True, None
+    name, truncatable, movable, runs_all = "toy-half", True, True, True
 
     def block_bytes(self, cfg, block_size):
         return PagedKVCache.block_bytes(cfg, block_size, torch.float16)
