@@ -511,7 +511,7 @@ class EagleSpeculator(Speculator):
     """`speculative="eagle"` (or {"method": "eagle", "model": HEAD_FOLDER, "num_speculative_tokens": k}): guesses
     from an EAGLE head, found and checked when the config is resolved (default: `default_head_dir` of the target)."""
     proposer_class = EagleProposer
-    reads_model = True
+    method_options = ("model",)  # `model` names the head's folder
 
     @classmethod
     def resolve(cls, spec, model_folder):
@@ -649,7 +649,7 @@ def _init(self, config, engine):
     self.cache, self.accepted_paths, self.accepted_depths = engine.cache, {}, {}  # depth -> verifies that kept so many
 
 EagleSpeculator.__init__, EagleSpeculator.rows, EagleSpeculator.verify = _init, tree_rows, verify
-EagleSpeculator.grows_trees = True
+EagleSpeculator.method_options += ("tree",)  # `tree` (chapter 10a's `speculative_config` checks who takes it)
 
 def _tree(c): return c.speculative is not None and c.speculative.tree is not None
 CONFIG_RULES.extend([

@@ -221,17 +221,17 @@ def speculative_config(value):
         raise ValueError(f"speculative adaptive={v.adaptive!r} is invalid; use True or False")
     if v.tree not in (None, "static", "dynamic"):
         raise ValueError(f"speculative tree={v.tree!r} is invalid; use None (a chain), 'static' or 'dynamic'")
-    growers = [name for name, cls in SPECULATORS.items() if getattr(cls, "grows_trees", False)]
-    if v.tree is not None and v.method not in growers:  # chapter 10b's EAGLE head drafts trees
-        raise ValueError(f"speculative tree={v.tree!r} is for method {' or '.join(map(repr, growers)) or '(none)'} "
-                         f"only (got {v.method!r})")
+    takers = {option: [name for name, cls in SPECULATORS.items() if option in cls.method_options]
+              for option in ("tree", "model")}
+    if v.tree is not None and v.method not in takers["tree"]:  # chapter 10b's EAGLE head drafts trees
+        growers = " or ".join(map(repr, takers["tree"])) or "(none)"
+        raise ValueError(f"speculative tree={v.tree!r} is for method {growers} only (got {v.method!r})")
     if v.tree is not None and v.adaptive:
         raise ValueError(f"speculative adaptive=True picks chain lengths; tree={v.tree!r} verifies a fixed budget of "
                          f"{v.num_speculative_tokens} nodes: use one of them")
 
-    readers = [name for name, cls in SPECULATORS.items() if getattr(cls, "reads_model", False)]
-    if v.model is not None and v.method not in readers:  # a draft model (chapter 10a), an EAGLE head (10b)
-        raise ValueError(f"speculative model={v.model!r} is for method {' or '.join(map(repr, readers))} only "
+    if v.model is not None and v.method not in takers["model"]:  # a draft model (chapter 10a), an EAGLE head (10b)
+        raise ValueError(f"speculative model={v.model!r} is for method {' or '.join(map(repr, takers['model']))} only "
                          f"(got {v.method!r})")
     return v
 
@@ -283,6 +283,7 @@ class Speculator(Lookahead):
     earned are its `RequestGuesses`, under the sequence's id. A method is a subclass naming what guesses
     (`proposer_class`), registered in `SPECULATORS`."""
     proposer_class = None
+    method_options = ()  # the options of `SpeculativeConfig` only some methods take ("model", ...) that this one does
 
     @classmethod
     def resolve(cls, spec, model_folder):
@@ -469,7 +470,7 @@ class DraftProposer:
 class DraftSpeculator(Speculator):
     "`speculative=\"draft\"`: a small model's guesses; its folder is found and checked when the config is resolved."
     proposer_class = DraftProposer
-    reads_model = True  # `model` names the draft's folder (chapter 06b's config checks which methods take one)
+    method_options = ("model",)  # `model` names the draft's folder (`speculative_config` checks who takes one)
 
     @classmethod
     def resolve(cls, spec, model_folder):
