@@ -102,8 +102,10 @@ class RepeatGuess(Lookahead):
     rows are judged greedily (the guess is kept where it is the model's choice): chapter 06's hook on its own."""
     def __init__(self):
         self.rows_kept = []  # per judged sequence: how many of its rows kept their KV
+        self.kv_past_computed = []  # sequences whose block table held KV past their computed tokens at a step's start
 
     def wanted(self, running):
+        self.kv_past_computed += [s.id for s in running if s.block_table.num_tokens != s.num_computed]
         return {s: 1 for s in running if s.num_computed == len(s) - 1}
 
     def rows(self, seq, n):
@@ -130,6 +132,7 @@ def test_a_toy_lookahead_runs_in_the_engine(model_dir):
     assert toy.engine.scheduler.lookahead is hook and toy.engine.runner.lookahead is hook
     assert [o.token_ids for o in toy.generate(prompts, params, raw=True)] == want
     assert 2 in hook.rows_kept and 1 in hook.rows_kept  # guesses were kept and rejected
+    assert hook.kv_past_computed == []  # a rejected guess's KV is given back at once
     assert toy.engine.stats["preemptions"] > 0 and toy.engine.cache.allocator.num_used == 0
     toy.engine.lookahead = None  # back to the default: no tokens ahead
     assert type(toy.engine.scheduler.lookahead) is Lookahead
