@@ -23,7 +23,7 @@ from pathlib import Path
 from minfer.llm import LLM
 from minfer.sequence import SamplingParams
 from minfer.speculative import SPECULATORS, speculative_config
-from minfer.eagle import default_head_dir, tree_depths
+from minfer.eagle import default_head_dir, tree_depths, TreeDraft
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_decode import machine
@@ -52,17 +52,19 @@ class Probe:
         verify, propose = speculator.verify, speculator.proposer.propose
         def counted_verify(seq, logits):
             # a chain's guess j sits at depth j; a tree is made to its deepest node's depth
-            k = len(seq.draft_ids) if seq.draft_parents is None else max(tree_depths(seq.draft_parents), default=0)
+            draft, n = speculator.requests[seq.id].draft, len(logits) - 1  # the guesses the step ran
+            k = max(tree_depths(draft.parents[:n]), default=0) if isinstance(draft, TreeDraft) else n
             out = verify(seq, logits)
             for j in range(k): self.made[j] = self.made.get(j, 0) + 1
             for j in range(len(out) - 1): self.kept[j] = self.kept.get(j, 0) + 1
             return out
         def timed_propose(seqs, ks):
             t = time.perf_counter()
-            propose(seqs, ks)
+            drafts = propose(seqs, ks)
             self.seconds += time.perf_counter() - t
-            self.guesses += sum(len(s.draft_ids) for s in seqs)
+            self.guesses += sum(len(d.ids) for d in drafts)
             self.calls += 1
+            return drafts
         speculator.verify, speculator.proposer.propose = counted_verify, timed_propose
     def reset(self): self.made, self.kept, self.seconds, self.guesses, self.calls = {}, {}, 0.0, 0, 0
     def per_depth(self): return [round(self.kept.get(j, 0) / n, 3) for j, n in sorted(self.made.items())]
@@ -121,7 +123,7 @@ def main(argv=None):
             prompts = work[w] if b == 8 else work[w][:a.batch1_prompts]
             for name, speculator in speculators.items():
                 host = llms[configs[name][0]]
-                host.engine.runner.speculator = speculator
+                host.engine.lookahead = speculator
                 if name in probes: probes[name].reset()
                 n, dt, outs = run(host, prompts, b, params)
                 ids = [o.token_ids for o in outs]

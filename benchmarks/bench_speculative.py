@@ -76,7 +76,7 @@ def main(argv=None):
         for w, b in cases:
             prompts = work[w] if b == 8 else work[w][:a.batch1_prompts]
             for name, speculator in speculators.items():
-                llm.engine.runner.speculator = speculator
+                llm.engine.lookahead = speculator
                 n, dt, outs = run(llm, prompts, b, params)
                 ids = [o.token_ids for o in outs]
                 if name == "none": want.setdefault((w, b), ids)

@@ -9,13 +9,13 @@ __all__ = ['ASKS', 'SCHEDULES', 'RANK_PRIOR', 'TREE_TOP_K', 'TREE_DEPTH', 'head_
            'topic_words', 'chat_prompts', 'BatchedCausal', 'target_features', 'self_distill', 'draft_vocabulary',
            'UnrolledCausal', 'make_batch', 'unroll_head', 'head_losses', 'fmt_time', 'train_head', 'default_head_dir',
            'save_head', 'check_head_folder', 'load_head', 'train_eagle', 'run_train_eagle', 'HeadState',
-           'EagleProposer', 'EagleSpeculator', 'tree_children', 'tree_greedy', 'keep_draft', 'draw_token',
-           'tree_sample', 'move_kv', 'verify', 'tree_depths', 'tree_path_tokens', 'static_tree', 'best_nodes',
-           'DraftTree', 'propose_tree', 'tree_decode_attention']
+           'EagleProposer', 'EagleSpeculator', 'TreeDraft', 'root_paths', 'tree_children', 'tree_greedy', 'keep_draft',
+           'draw_token', 'tree_sample', 'move_kv', 'tree_rows', 'verify', 'tree_depths', 'tree_path_tokens',
+           'static_tree', 'best_nodes', 'DraftTree', 'propose_tree', 'tree_decode_attention']
 
 # %% ../nbs/10b_eagle.ipynb #e0a3
 import heapq, json, math, random, re, sys, time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 import numpy as np
 import torch
@@ -27,9 +27,9 @@ from .paged import ATTENTION_BACKENDS, KV_FORMATS, PagedKVCache, BlockTable, Out
 from .sampling import sample, sampling_probs, logprob_entries
 from .flash import split_kv_decode, load_kv_tile
 from .sequence import SamplingParams
-from .engine import CONFIG_RULES, Rule, root_paths
+from .engine import CONFIG_RULES, Rule
 from .speculative import SPECULATORS
-from .speculative import Speculator, step_bytes
+from .speculative import Speculator, Draft, step_bytes
 from .cli import COMMANDS, Command
 from .llm import LLM
 from .cpu_step import StepLlama, cpu_step_kernels, step_call, weight_table
@@ -416,14 +416,14 @@ class EagleProposer:
 
     def _watch(self, runner):
         """After every pass of the runner, file the target's features under their sequences and positions (while
-        this proposer's speculator is the runner's: a benchmark may switch between several)."""
+        this proposer's speculator is the runner's `lookahead`: a benchmark may switch between several)."""
         run = runner.run
         def run_keeping_features(batch, copies):
             placed = [(s, s.num_computed, n) for s, n in batch]  # rows in the pass's order
             out = run(batch, copies)
-            if getattr(runner.speculator, "proposer", None) is not self: return out
+            if getattr(runner.lookahead, "proposer", None) is not self: return out
             features, row = self.tap.features(), 0
-            paths = getattr(runner.speculator, "accepted_paths", {})  # a verified token tree's kept nodes (below)
+            paths = getattr(runner.lookahead, "accepted_paths", {})  # a verified token tree's kept nodes (below)
             for s, start, n in placed:
                 st, path = self._state(s), paths.pop(s.id, None)
                 # a tree's node i was row 1 + i; the kept ones now sit at the positions after the root, in order
@@ -489,29 +489,29 @@ class EagleProposer:
         for sid in [i for i, st in self.states.items() if st.seq.finished]: self.states.pop(sid).table.free()
         if self.config.tree is not None: return self.propose_tree(seqs, ks)  # token trees: the section below
 
-        jobs, work = [], []
+        jobs, work, drafts = [], [], {s: Draft([]) for s in seqs}  # greedy guesses: one-hot, `probs` None
         for s, k in zip(seqs, ks):
-            s.draft_ids, s.draft_probs, s.draft_parents = [], None, None
             got = self._catch_up(s, k) if k else None
-
             if got is None: continue
             jobs.append((s, k, got[0]))
             work.append(got)
         while jobs:
             g, logits = self._forward(work)
             guesses = self.head.d2t[logits.argmax(-1)].tolist()
-            for (s, _, _), d in zip(jobs, guesses): s.draft_ids.append(d)
-            going = [i for i, (s, k, _) in enumerate(jobs) if len(s.draft_ids) < k]
+            for (s, _, _), d in zip(jobs, guesses):
+                drafts[s].ids.append(d)
+            going = [i for i, (s, k, _) in enumerate(jobs) if len(drafts[s].ids) < k]
             # guess j + 1 reads guess j at position n + j - 1 and the head's own prediction there
-            work = [(jobs[i][2], len(jobs[i][0]) + len(jobs[i][0].draft_ids) - 2, jobs[i][0].draft_ids[-1:], g[i:i + 1])
-                    for i in going]
             jobs = [jobs[i] for i in going]
+            work = [(t, len(s) + len(drafts[s].ids) - 2, drafts[s].ids[-1:], g[i:i + 1])
+                    for i, (s, _, t) in zip(going, jobs)]
+        return [drafts[s] for s in seqs]
 
 class EagleSpeculator(Speculator):
     """`speculative="eagle"` (or {"method": "eagle", "model": HEAD_FOLDER, "num_speculative_tokens": k}): guesses
     from an EAGLE head, found and checked when the config is resolved (default: `default_head_dir` of the target)."""
     proposer_class = EagleProposer
-    reads_model = True
+    method_options = ("model",)  # `model` names the head's folder
 
     @classmethod
     def resolve(cls, spec, model_folder):
@@ -520,6 +520,23 @@ class EagleSpeculator(Speculator):
         return replace(spec, model=str(folder))
 
 SPECULATORS.register("eagle", EagleSpeculator)
+
+# %% ../nbs/10b_eagle.ipynb #c820a519
+@dataclass
+class TreeDraft(Draft):
+    """A tree of guesses: chapter 10a's `Draft` (ids; probs None: the head's guesses are certain) and `parents`, each
+    guess's parent among them (-1: the sequence's last token, the root; parents come before their children)."""
+    parents: list = field(default_factory=list)
+
+def root_paths(parents):
+    """A tree's nodes as paths: parents[i] is node i's parent (-1: the root, the sequence's last token; parents come
+    before their children) -> for each node the nodes from depth 1 down to itself (so its depth is the length)."""
+    paths = []
+    for i, p in enumerate(parents):
+        if not -1 <= p < i:
+            raise ValueError(f"node {i}'s parent {p} is not an earlier node or -1 (the root)")
+        paths.append((paths[p] if p >= 0 else []) + [i])
+    return paths
 
 # %% ../nbs/10b_eagle.ipynb #t1aa5fe
 def tree_children(parents):
@@ -573,15 +590,29 @@ def move_kv(cache, src, dst):
         flat = pool.view(pool.shape[0], -1, *pool.shape[3:])  # [layers, slots, kv heads, head dim]
         flat[:, d] = flat[:, s]  # the right side is gathered first: overlapping moves are safe
 
+def tree_rows(self, seq, n):
+    """A chain: chapter 10a's rows. A tree (a `TreeDraft`): row 0 the root (the sequence's last token, at position c),
+    row 1 + i node i, written at position c + 1 + i but turned by RoPE as position c + depth(i); its keys are the
+    sequence's 0..c and its ancestors' rows, itself last (chapter 03's `row_keys`). -> (tokens, positions, keys)"""
+    draft = self.requests[seq.id].draft
+    if not isinstance(draft, TreeDraft):
+        return Speculator.rows(self, seq, n)
+    c, paths = seq.num_computed, root_paths(draft.parents[:n - 1])
+    positions = [c] + [c + len(p) for p in paths]
+    keys = [None] + [list(range(c + 1)) + [c + 1 + j for j in p] for p in paths]
+    return seq.token_ids[c:] + draft.ids[:n - 1], positions, keys
+
 def verify(self, seq, logits):
-    """A chain: chapter 10a's verify. A tree (`seq.draft_parents`): logits [1 + nodes, vocab], row 0 the root's and
+    """A chain: chapter 10a's verify. A tree (a `TreeDraft`): logits [1 + nodes, vocab], row 0 the root's and
     row 1 + i node i's. The accepted path (`tree_greedy` at temperature 0, else `tree_sample`) and one token; the
     path's K/V move from positions c + 1 + i to c + 1, c + 2, ... (c: the root's position) in every layer, so the
     sequence's KV is what a chain of those tokens would have written; the rest is released when the scheduler
     truncates the block table. A logits processor (an output constraint, chapter 14) masks each row on the path as it
     stands there."""
-    if seq.draft_parents is None: return Speculator.verify(self, seq, logits)
-    drafts, parents, params, c = seq.draft_ids, seq.draft_parents[:len(seq.draft_ids)], seq.params, seq.num_computed
+    draft, nodes = self.requests[seq.id].draft, len(logits) - 1
+    if not isinstance(draft, TreeDraft):
+        return Speculator.verify(self, seq, logits)
+    drafts, parents, params, c = draft.ids[:nodes], draft.parents[:nodes], seq.params, seq.num_computed
     walked = []  # tokens the logits processor has been advanced by, to roll back
     def row_logits(row):
         processor = seq.logits_processor
@@ -621,7 +652,8 @@ def _init(self, config, engine):
     Speculator.__init__(self, config, engine)
     self.cache, self.accepted_paths, self.accepted_depths = engine.cache, {}, {}  # depth -> verifies that kept so many
 
-EagleSpeculator.__init__, EagleSpeculator.verify, EagleSpeculator.grows_trees = _init, verify, True
+EagleSpeculator.__init__, EagleSpeculator.rows, EagleSpeculator.verify = _init, tree_rows, verify
+EagleSpeculator.method_options += ("tree",)  # `tree` (chapter 10a's `speculative_config` checks who takes it)
 
 def _tree(c): return c.speculative is not None and c.speculative.tree is not None
 CONFIG_RULES.extend([
@@ -706,12 +738,11 @@ class DraftTree:
         self.to_run = best[:self.top_k] if depth < self.levels else []
 
     def finish(self, d2t):
-        "Set the sequence's guesses: every node (static), or the k best (dynamic)."
+        "The sequence's guesses: every node (static), or the k best (dynamic). -> a `TreeDraft`"
         parents, ids = [p for p, *_ in self.nodes], [d for _, d, *_ in self.nodes]
         if self.shape is None: keep, parents = best_nodes(parents, [n[2] for n in self.nodes], self.k)
         else: keep = range(len(ids))
-        self.seq.draft_ids = d2t[torch.tensor([ids[i] for i in keep], dtype=torch.long)].tolist()
-        self.seq.draft_parents = parents
+        return TreeDraft(d2t[torch.tensor([ids[i] for i in keep], dtype=torch.long)].tolist(), parents=parents)
 
 def _run_nodes(self, rows):
     """One head pass over tree nodes [(DraftTree, node)]: node at depth d reads its token and its parent's predicted
@@ -732,15 +763,16 @@ def _run_nodes(self, rows):
 @torch.inference_mode()
 def propose_tree(self, seqs, ks):
     """Token trees from the head, a level at a time: the re-run (as for a chain) predicts each root's children; each
-    level's nodes to expand then run as one batch of head rows. Sets `draft_ids` and `draft_parents`."""
+    level's nodes to expand then run as one batch of head rows. -> a `TreeDraft` per sequence (no guesses: a `Draft`
+    with none, where k is 0 or the head's pool is full)."""
     trees, work = [], []
     for s, k in zip(seqs, ks):
-        s.draft_ids, s.draft_probs, s.draft_parents = [], None, None
         got = self._catch_up(s, DraftTree.head_rows(k, self.config.tree) + 1) if k else None
         if got is None: continue
         trees.append(DraftTree(s, k, self.config.tree, got[0]))
         work.append(got)
-    if not trees: return
+    if not trees:
+        return [Draft([]) for _ in seqs]
     g, logits = self._forward(work)
     logp = F.log_softmax(logits, -1)
     for r, t in enumerate(trees): t.g[-1], t.logp[-1] = g[r], logp[r]
@@ -751,7 +783,8 @@ def propose_tree(self, seqs, ks):
         rows = [(t, i) for t in trees for i in t.to_run]
         if not rows: break
         self._run_nodes(rows)
-    for t in trees: t.finish(self.head.d2t)
+    drafts = {t.seq: t.finish(self.head.d2t) for t in trees}
+    return [drafts.get(s, Draft([])) for s in seqs]
 
 EagleProposer._run_nodes, EagleProposer.propose_tree = _run_nodes, propose_tree
 

@@ -93,10 +93,6 @@ class Sequence:
     radix_node: object = field(init=False, default=None)    # the prefix-cache path it holds locked (chapter 04)
     forks: list = field(init=False, default_factory=list)   # further samples of its prompt, started after the prompt
     bytes_moved: float = field(init=False, default=0.0)     # its share of the engine's bytes (weights + its own KV)
-    draft_ids: list = field(init=False, default_factory=list)  # speculative tokens to verify in the next step (ch. 10)
-    draft_probs: object = field(init=False, default=None)    # their proposer's distributions [k, vocab]; None: one-hot
-    # a token tree's (chapter 10b): each guess's parent, -1 the last token, parents before children; None: a chain
-    draft_parents: list | None = field(init=False, default=None)
     # incremental detokenization: decoded up to _read, text of ids[_prefix:_read] is a settled window; handed out
     _prefix: int = field(init=False, default=0, repr=False)
     _read: int = field(init=False, default=0, repr=False)

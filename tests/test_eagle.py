@@ -79,7 +79,7 @@ def test_greedy_identical_batch_1_and_8(model_dir, plain, random_head, tiny_head
     adaptive = eagle(model_dir, head, k=4, adaptive=True).generate(PROMPTS, p, raw=True)
     assert [o.token_ids for o in adaptive] == want
     assert spec.engine.cache.allocator.num_used == 0
-    proposer = spec.engine.runner.speculator.proposer
+    proposer = spec.engine.lookahead.proposer
     spec.generate("one more", SamplingParams(max_tokens=3))
     assert len(proposer.states) == 1  # the head's KV of finished requests is freed (the last one's at the next step)
 
@@ -134,8 +134,8 @@ def test_head_kv_after_rerun_equals_a_fresh_run(model_dir, plain, tiny_head):
     seq = Sequence(plain.tokenizer.encode(PROMPTS[0]), SamplingParams(max_tokens=40, ignore_eos=True), plain.tokenizer)
     spec.engine.add(seq)
     while len(seq.output_ids) < 30: spec.engine.step()
-    assert spec.engine.runner.speculator.requests[seq.id].kept > 3
-    proposer = spec.engine.runner.speculator.proposer
+    assert spec.engine.lookahead.requests[seq.id].kept > 3
+    proposer = spec.engine.lookahead.proposer
     st = proposer.states[seq.id]
     n = st.held
     ids = torch.tensor(seq.token_ids)
@@ -168,7 +168,7 @@ def test_head_reads_a_window(model_dir, plain, tiny_head, monkeypatch):
                        plain.tokenizer)
         spec.engine.add(seq)
         while not seq.output_ids: spec.engine.step()  # the prompt: its features filed, no guess yet
-        proposer, n = spec.engine.runner.speculator.proposer, seq.num_computed
+        proposer, n = spec.engine.lookahead.proposer, seq.num_computed
         assert n >= 2 * window
         with torch.inference_mode():
             monkeypatch.setattr(EagleProposer, "window", 10 ** 6)
@@ -196,7 +196,7 @@ def test_head_keeps_the_features_of_its_window_only(model_dir, plain, tiny_head,
     seq = Sequence(plain.tokenizer.encode(PROMPTS[4]), SamplingParams(max_tokens=40, ignore_eos=True),
                    plain.tokenizer)
     spec.engine.add(seq)
-    proposer, sizes = spec.engine.runner.speculator.proposer, []
+    proposer, sizes = spec.engine.lookahead.proposer, []
     while not seq.finished:
         spec.engine.step()
         if seq.id in proposer.states:
@@ -214,7 +214,7 @@ def test_head_on_the_one_call_step_equals_its_modules(model_dir, plain, tiny_hea
     from minfer.eagle import EagleProposer
     monkeypatch.setattr(EagleProposer, "step_rows", 64)  # these 33 rows in one call
     spec = eagle(model_dir, tiny_head)
-    proposer = spec.engine.runner.speculator.proposer
+    proposer = spec.engine.lookahead.proposer
     assert proposer.pointers is not None and proposer.step_cfg.vocab_size == proposer.head.lm_head.out_features
     g = torch.Generator().manual_seed(0)
     tables = [BlockTable(proposer.cache.allocator) for _ in range(2)]

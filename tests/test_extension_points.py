@@ -8,12 +8,13 @@ import json
 import pytest
 import torch
 
-from minfer.model import Registry
+from minfer.model import ModelConfig, Registry
 from minfer.paged import KV_FORMATS, KV_READERS, PagedAttention, PagedKVCache
+from minfer.scheduler import Lookahead
 from minfer.engine import SWITCHES, EngineConfig, Rule, Switch
 from minfer.cli import COMMANDS, Command, main as cli_main
 from minfer.llm import LLM
-from minfer.sampling import SamplingParams
+from minfer.sampling import SamplingParams, sample
 
 
 def test_a_taken_name_is_refused_and_a_rerun_is_not():
@@ -97,6 +98,48 @@ def test_a_toy_switch_with_its_rule(model_dir, monkeypatch):
     assert llm.toy_trace is True and "toy_trace=True" in repr(llm) and attached == [True]
     with pytest.raises(ValueError, match="toy_trace=True needs kv='paged'"):
         EngineConfig(model_dir, toy_trace=True, kv="contiguous").resolve()
+
+
+class RepeatGuess(Lookahead):
+    """A toy lookahead: every decoding sequence guesses that its last token comes again, one token ahead, and its two
+    rows are judged greedily (the guess is kept where it is the model's choice): chapter 06's hook on its own."""
+    def __init__(self):
+        self.rows_kept = []  # per judged sequence: how many of its rows kept their KV
+        self.kv_past_computed = []  # sequences whose block table held KV past their computed tokens at a step's start
+
+    def wanted(self, running):
+        self.kv_past_computed += [s.id for s in running if s.block_table.num_tokens != s.num_computed]
+        return {s: 1 for s in running if s.num_computed == len(s) - 1}
+
+    def rows(self, seq, n):
+        c = seq.num_computed
+        return seq.token_ids[c:] + [seq.token_ids[-1]] * (n - 1), range(c, c + n), None
+
+    def tokens(self, seq, logits):
+        out = [sample(logits[0], seq.params)]
+        if out[0] == seq.token_ids[-1]:  # the guess was the model's token: its row's logits give one more
+            out.append(sample(logits[1], seq.params))
+        self.rows_kept.append(len(out))
+        return [(seq, t, None) for t in out], len(out)
+
+
+def test_a_toy_lookahead_runs_in_the_engine(model_dir):
+    """Set from here as the engine's `lookahead` (chapters 06a/06b's hook): greedy output equals plain decoding's with
+    guesses kept and rejected, under a budget that cuts them and a pool that preempts; every block comes back."""
+    prompts = ["7 7 7 7 7 7 7 7 7 7", "The capital of France is", "a a a a a a a a", "Once upon a time"]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    want = [o.token_ids for o in LLM(model_dir, kv_cache_bytes=2**26).generate(prompts, params, raw=True)]
+    pool = 8 * PagedKVCache.block_bytes(ModelConfig.from_folder(model_dir), 4)  # 32 tokens: the four preempt
+    toy = LLM(model_dir, block_size=4, kv_cache_bytes=pool, max_num_batched_tokens=6)
+    toy.engine.lookahead = hook = RepeatGuess()
+    assert toy.engine.scheduler.lookahead is hook and toy.engine.runner.lookahead is hook
+    assert [o.token_ids for o in toy.generate(prompts, params, raw=True)] == want
+    assert 2 in hook.rows_kept and 1 in hook.rows_kept  # guesses were kept and rejected
+    assert hook.kv_past_computed == []  # a rejected guess's KV is given back at once
+    assert toy.engine.stats["preemptions"] > 0 and toy.engine.cache.allocator.num_used == 0
+    toy.engine.lookahead = None  # back to the default: no tokens ahead
+    assert type(toy.engine.scheduler.lookahead) is Lookahead
+    assert [o.token_ids for o in toy.generate(prompts[:1], params, raw=True)] == want[:1]
 
 
 def test_a_toy_subcommand(monkeypatch, capsys):

@@ -42,7 +42,7 @@ def spec_engine(model, k=4, blocks=200, block_size=16, budget=256, adaptive=Fals
     engine = LLMEngine(model, block_size=block_size, kv_cache_bytes=pool(model, blocks, block_size),
                        max_num_batched_tokens=budget, **kw)
     spec = SpeculativeConfig("ngram", k, 2, 4, adaptive=adaptive)
-    engine.runner.speculator = SPECULATORS["ngram"](spec, engine)
+    engine.lookahead = SPECULATORS["ngram"](spec, engine)
     return engine
 
 @pytest.mark.parametrize("k,budget,blocks,block_size", [(4, 256, 200, 16), (1, 256, 200, 16), (8, 7, 200, 16),
@@ -111,7 +111,7 @@ def test_random_arrivals_and_aborts_no_leak(model, tokenizer, data):
         if eng.has_unfinished(): eng.step()
         elif not pending: break
         for s in eng.scheduler.running:
-            assert s.block_table.num_tokens == s.num_computed and not s.draft_ids
+            assert s.block_table.num_tokens == s.num_computed
             assert len(s.block_table.blocks) == a.blocks_needed(s.num_computed)
     run(eng)
     held_by_tree = eng.scheduler.radix.num_blocks if prefix else 0
@@ -290,12 +290,14 @@ def test_acceptance_counts_read_the_true_rate(alpha, k):
 def test_a_probe_comes_where_the_prior_rate_would_earn_a_guess():
     """A request whose rate says no guesses is probed with one guess every 16 tokens only where a request with the
     prior rate would get that guess in this step: alone it is, in a batch of 8 on the measured curve it is not."""
-    from minfer.speculative import Speculator, PRIOR_ALPHA
+    from minfer.speculative import Speculator, PRIOR_ALPHA, Draft
     from minfer.speculative import SpeculativeConfig
     class Recorder:
         cheap, pass_cost = False, 0.0
         def __init__(self): self.ks = None
-        def propose(self, seqs, ks): self.ks = ks
+        def propose(self, seqs, ks):
+            self.ks = ks
+            return [Draft([]) for _ in seqs]
     def probed(batch):
         spec = Speculator.__new__(Speculator)
         spec.config, spec.proposer, spec.requests = SpeculativeConfig(method="ngram", adaptive=True), Recorder(), {}

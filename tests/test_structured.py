@@ -181,11 +181,14 @@ def test_speculative_decoding_checks_guesses_against_the_constraint(llm, model_d
         if "json" in so: assert fast.metrics["acceptance_rate"] > 0.5  # it guessed (the prompt holds the JSON)
     # the KV bookkeeping, checked directly: every position a sequence counts as computed holds the KV of its token
     fed, prepare = {}, spec.engine.runner.prepare
-    def recording_prepare(batch):
+    def recording_prepare(batch):  # the tokens the pass runs, at the positions whose KV they write
+        tokens, positions, rows = prepare(batch)
+        at = 0
         for s, n in batch:
-            for i, t in enumerate((s.token_ids + s.draft_ids)[s.num_computed:s.num_computed + n]):
+            for i, t in enumerate(tokens[at:at + n].tolist()):
                 fed.setdefault(s.id, {})[s.num_computed + i] = t
-        return prepare(batch)
+            at += n
+        return tokens, positions, rows
     spec.engine.runner.prepare = recording_prepare
     seqs = spec.add_request(schema_prompt, SamplingParams(max_tokens=40, structured_outputs={"json": short}), raw=True)
     while not seqs[0].finished:

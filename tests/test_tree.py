@@ -11,7 +11,8 @@ import pytest, torch
 
 import minfer.eagle as eagle_mod
 from minfer.eagle import static_tree, best_nodes, tree_sample, tree_greedy, tree_decode_attention, tree_children
-from minfer.engine import EngineConfig, root_paths
+from minfer.eagle import root_paths, TreeDraft
+from minfer.engine import EngineConfig
 from minfer.llm import LLM
 from minfer.model import NoCache, attend
 from minfer.paged import PagedKVCache, PagedAttention, BlockTable, build_batch_meta
@@ -48,7 +49,7 @@ def test_greedy_identical_batch_1_and_8(model_dir, plain, tiny_head, tree, engin
     mixed = tree_llm(model_dir, tiny_head, tree, max_num_batched_tokens=32, **ENGINES[engine])
     batched = mixed.generate(PROMPTS, p, raw=True)
     assert [o.token_ids for o in batched] == want
-    depths = mixed.engine.runner.speculator.accepted_depths
+    depths = mixed.engine.lookahead.accepted_depths
     assert sum(n for d, n in depths.items() if d >= 2) > 0, depths  # paths of two nodes and more were kept
     assert mixed.engine.cache.allocator.num_used == 0  # every node's block came back
 
@@ -71,11 +72,12 @@ def test_tree_rows_equal_a_plain_forward_of_their_path(model_dir, plain, tiny_he
     8 nodes: 9 rows, which the default switches run on the layers with attention='cpu' (a step of 1 + 4 rows is one
     C++ call: the greedy test above)."""
     spec = tree_llm(model_dir, tiny_head, "dynamic", **ENGINES[engine])
-    sp = spec.engine.runner.speculator
+    sp = spec.engine.lookahead
     seen, verify = [], sp.verify
     def keep(seq, logits):
-        if seq.draft_parents is not None and len(seen) < 3:
-            seen.append((list(seq.token_ids), list(seq.draft_ids), list(seq.draft_parents), logits.clone()))
+        draft, nodes = sp.requests[seq.id].draft, len(logits) - 1  # the nodes the step ran
+        if isinstance(draft, TreeDraft) and len(seen) < 3:
+            seen.append((list(seq.token_ids), draft.ids[:nodes], draft.parents[:nodes], logits.clone()))
         return verify(seq, logits)
     sp.verify = keep
     spec.generate(PROMPTS[0], SamplingParams(max_tokens=30, ignore_eos=True))
