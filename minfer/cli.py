@@ -25,7 +25,7 @@ class Command:
     add_args: Callable
     run: Callable
 
-COMMANDS = Registry("command")  # name -> Command; chapters after this one register theirs (08: `quantize`)
+COMMANDS = Registry("command", Command)  # name -> Command; later chapters register theirs (08: `quantize`)
 
 def main(argv=None):
     "The `minfer` command line: `minfer COMMAND [ARGS]`, COMMAND one of `COMMANDS`; -> the exit status."

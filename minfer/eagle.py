@@ -10,8 +10,8 @@ __all__ = ['ASKS', 'SCHEDULES', 'RANK_PRIOR', 'TREE_TOP_K', 'TREE_DEPTH', 'head_
            'UnrolledCausal', 'make_batch', 'unroll_head', 'head_losses', 'fmt_time', 'train_head', 'default_head_dir',
            'save_head', 'check_head_folder', 'load_head', 'train_eagle', 'run_train_eagle', 'HeadState',
            'EagleProposer', 'EagleSpeculator', 'TreeDraft', 'root_paths', 'tree_children', 'tree_greedy', 'keep_draft',
-           'draw_token', 'tree_sample', 'move_kv', 'tree_rows', 'verify', 'tree_depths', 'tree_path_tokens',
-           'static_tree', 'best_nodes', 'DraftTree', 'propose_tree', 'tree_decode_attention']
+           'draw_token', 'tree_sample', 'move_kv', 'tree_depths', 'tree_path_tokens', 'static_tree', 'best_nodes',
+           'DraftTree', 'tree_decode_attention']
 
 # %% ../nbs/10b_eagle.ipynb #e0a3
 import heapq, json, math, random, re, sys, time
@@ -28,8 +28,8 @@ from .sampling import sample, sampling_probs, logprob_entries
 from .flash import split_kv_decode, load_kv_tile
 from .sequence import SamplingParams
 from .engine import CONFIG_RULES, Rule
-from .speculative import SPECULATORS
-from .speculative import Speculator, Draft, step_bytes
+from fastcore.basics import patch
+from .speculative import SPECULATORS, Speculator, Draft, step_bytes
 from .cli import COMMANDS, Command
 from .llm import LLM
 from .cpu_step import StepLlama, cpu_step_kernels, step_call, weight_table
@@ -511,7 +511,7 @@ class EagleSpeculator(Speculator):
     """`speculative="eagle"` (or {"method": "eagle", "model": HEAD_FOLDER, "num_speculative_tokens": k}): guesses
     from an EAGLE head, found and checked when the config is resolved (default: `default_head_dir` of the target)."""
     proposer_class = EagleProposer
-    method_options = ("model",)  # `model` names the head's folder
+    method_options = ("model", "tree")  # `model` names the head's folder; `tree` the token tree (below)
 
     @classmethod
     def resolve(cls, spec, model_folder):
@@ -590,7 +590,8 @@ def move_kv(cache, src, dst):
         flat = pool.view(pool.shape[0], -1, *pool.shape[3:])  # [layers, slots, kv heads, head dim]
         flat[:, d] = flat[:, s]  # the right side is gathered first: overlapping moves are safe
 
-def tree_rows(self, seq, n):
+@patch
+def rows(self: EagleSpeculator, seq, n):
     """A chain: chapter 10a's rows. A tree (a `TreeDraft`): row 0 the root (the sequence's last token, at position c),
     row 1 + i node i, written at position c + 1 + i but turned by RoPE as position c + depth(i); its keys are the
     sequence's 0..c and its ancestors' rows, itself last (chapter 03's `row_keys`). -> (tokens, positions, keys)"""
@@ -602,7 +603,8 @@ def tree_rows(self, seq, n):
     keys = [None] + [list(range(c + 1)) + [c + 1 + j for j in p] for p in paths]
     return seq.token_ids[c:] + draft.ids[:n - 1], positions, keys
 
-def verify(self, seq, logits):
+@patch
+def verify(self: EagleSpeculator, seq, logits):
     """A chain: chapter 10a's verify. A tree (a `TreeDraft`): logits [1 + nodes, vocab], row 0 the root's and
     row 1 + i node i's. The accepted path (`tree_greedy` at temperature 0, else `tree_sample`) and one token; the
     path's K/V move from positions c + 1 + i to c + 1, c + 2, ... (c: the root's position) in every layer, so the
@@ -648,12 +650,13 @@ def tree_path_tokens(drafts, parents, row):
     "The tokens from the root down to row `row`'s node (none for the root row)."
     return [] if row == 0 else [drafts[i] for i in root_paths(parents)[row - 1]]
 
-def _init(self, config, engine):
+@patch
+def __init__(self: EagleSpeculator, config, engine):
+    "A tree's verify moves kept nodes' K/V in the engine's pool, and counts the paths it keeps by depth."
     Speculator.__init__(self, config, engine)
-    self.cache, self.accepted_paths, self.accepted_depths = engine.cache, {}, {}  # depth -> verifies that kept so many
-
-EagleSpeculator.__init__, EagleSpeculator.rows, EagleSpeculator.verify = _init, tree_rows, verify
-EagleSpeculator.method_options += ("tree",)  # `tree` (chapter 10a's `speculative_config` checks who takes it)
+    self.cache = engine.cache
+    self.accepted_paths = {}   # sequence id -> the node indices of the path its last verify kept
+    self.accepted_depths = {}  # depth -> verifies that kept so many
 
 def _tree(c): return c.speculative is not None and c.speculative.tree is not None
 CONFIG_RULES.extend([
@@ -744,7 +747,8 @@ class DraftTree:
         else: keep = range(len(ids))
         return TreeDraft(d2t[torch.tensor([ids[i] for i in keep], dtype=torch.long)].tolist(), parents=parents)
 
-def _run_nodes(self, rows):
+@patch
+def _run_nodes(self: EagleProposer, rows):
     """One head pass over tree nodes [(DraftTree, node)]: node at depth d reads its token and its parent's predicted
     feature at position n - 1 + d, is written at the next free position of its tree's head table, and attends to the
     head's entries 0..n - 1, its ancestors' rows and itself. Sets each node's g, log-probs and table position."""
@@ -761,7 +765,8 @@ def _run_nodes(self, rows):
     for r, (t, i) in enumerate(rows): t.g[i], t.logp[i] = g[r], logp[r]
 
 @torch.inference_mode()
-def propose_tree(self, seqs, ks):
+@patch
+def propose_tree(self: EagleProposer, seqs, ks):
     """Token trees from the head, a level at a time: the re-run (as for a chain) predicts each root's children; each
     level's nodes to expand then run as one batch of head rows. -> a `TreeDraft` per sequence (no guesses: a `Draft`
     with none, where k is 0 or the head's pool is full)."""
@@ -785,8 +790,6 @@ def propose_tree(self, seqs, ks):
         self._run_nodes(rows)
     drafts = {t.seq: t.finish(self.head.d2t) for t in trees}
     return [drafts.get(s, Draft([])) for s in seqs]
-
-EagleProposer._run_nodes, EagleProposer.propose_tree = _run_nodes, propose_tree
 
 # %% ../nbs/10b_eagle.ipynb #t26ab36
 def tree_decode_attention(q, k_cache, v_cache, key_slots, key_counts, num_splits=None, scale=None, block_n=None):

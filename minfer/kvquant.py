@@ -16,8 +16,8 @@ import functools, math
 from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
-from .paged import (KV_FORMATS, KV_READERS, PagedKVCache, attention_backend, formats_read_by, PagedAttention, BlockAllocator, BlockTable,
-                          build_batch_meta, kv_cache_from_budget, kv_token_bytes)
+from .paged import (KV_FORMATS, KV_READERS, BlockAllocator, BlockTable, PagedAttention, PagedKVCache, PoolFormat,
+                          attention_backend, build_batch_meta, formats_read_by, kv_cache_from_budget, kv_token_bytes)
 from .model import DTYPES, attend, runs_behaviours
 from .engine import SWITCHES, Rule, Switch, _not_run
 from .cpu_kernels import CPU_KERNELS_SOURCE, CpuAttention, build_cpu_kernels, load_kernels, _kernel, _P, _I, _F
@@ -27,7 +27,7 @@ import triton.language as tl
 
 # %% ../nbs/09_kvquant.ipynb #db1a176a
 @dataclass(frozen=True)
-class KVFormat:
+class KVFormat(PoolFormat):
     """How one quantized KV format stores a token's key (or value) vector for one KV head: `head_dim` codes of dtype
     `storage`, and one float32 scale, amax / `qmax`, computed from that vector when it is stored (symmetric: no zero
     point). `rotate_keys`: the pool stores each key turned by `key_rotation` (an orthogonal matrix, so every q . k is
@@ -37,9 +37,6 @@ class KVFormat:
     storage: torch.dtype       # what the codes are stored as
     qmax: float                # the largest code: 127 for int8, 448 for float8_e4m3fn (its largest finite value)
     rotate_keys: bool = False  # keys stored as key @ key_rotation(head_dim), read back as codes * scale @ its transpose
-    runs_all = True            # it runs every behaviour of a model (`BEHAVIOURS`): attention reads it as plain K/V
-    # every token of a block can be dropped (`BlockTable.truncate`) and moved (`read_blocks` / `write_blocks`)
-    truncatable, movable = True, True
 
     def quantize(self, x):
         "x [..., head_dim] -> (codes [..., head_dim] of `storage`, scales [...] float32): one scale per vector."
@@ -268,7 +265,7 @@ def unpack_kivi_int4(packed):
     return torch.stack((packed & 15, packed >> 4), -1).flatten(-2)
 
 @dataclass(frozen=True)
-class KIVIFormat:
+class KIVIFormat(PoolFormat):
     """KIVI's 4-bit KV (arXiv 2402.02750): asymmetric codes 0..15 with x ~ code * scale + zero, zero = the minimum and
     scale = (maximum - minimum) / 15 of the slice that shares them, both stored in float16, two codes per byte.
     Keys share them per channel over the tokens of a whole block (per KV head); values per token, in groups of `group`

@@ -6,11 +6,12 @@ Docs: https://minfer.github.io/minfer/paged.html.md"""
 
 # %% auto #0
 __all__ = ['KV_FORMATS', 'ATTENTION_BACKENDS', 'KV_READERS', 'OutOfBlocks', 'BlockAllocator', 'BlockTable', 'BatchMeta',
-           'build_batch_meta', 'PagedKVCache', 'PagedAttention', 'table_slots', 'take', 'attention_backend',
-           'formats_read_by', 'kv_cache_from_budget', 'kv_token_bytes', 'PagedGenerator', 'paged_generate',
-           'block_holders', 'draw_block_map']
+           'build_batch_meta', 'PagedKVCache', 'PagedAttention', 'table_slots', 'take', 'PoolFormat',
+           'attention_backend', 'formats_read_by', 'kv_cache_from_budget', 'kv_token_bytes', 'PagedGenerator',
+           'paged_generate', 'block_holders', 'draw_block_map']
 
 # %% ../nbs/03_paged.ipynb #f0efabad
+import abc
 from collections import deque
 from dataclasses import dataclass
 import torch
@@ -332,9 +333,27 @@ def take(flat, slots):
     return flat[slots] if isinstance(slots, slice) else flat.index_select(0, slots)
 
 # %% ../nbs/03_paged.ipynb #695d7d51
-# KV format name -> a way to store the pool (chapter 09 registers its formats): each has
-# `from_budget(cfg, budget_bytes, block_size, dtype, device, max_seqs)` -> its pool, and `block_bytes(cfg, block_size)`
-KV_FORMATS = Registry("KV format")
+class PoolFormat(abc.ABC):
+    """What a `KV_FORMATS` entry provides: a way to store the pool other than this chapter's (K and V in the model's
+    dtype). Its pool is a `PagedKVCache` whose `format_name` is the format's `name`. Three answers the engine reads:
+    `truncatable`, whether every token of a block can be dropped (`BlockTable.truncate`); `movable`, whether
+    `read_blocks` / `write_blocks` move every token of a block; `runs_all`, whether attention reads it as it reads plain
+    K/V, so it runs every behaviour of a model (else only those paired with it, chapter 00a's `runs_behaviours`)."""
+    name: str
+    truncatable = True
+    movable = True
+    runs_all = True
+
+    @abc.abstractmethod
+    def block_bytes(self, cfg, block_size):
+        "One block's bytes in this format: K and V, every layer, scales included."
+
+    @abc.abstractmethod
+    def from_budget(self, cfg, budget_bytes, block_size, dtype, device, max_seqs):
+        "-> the pool in this format that fits `budget_bytes` (`max_seqs`: sequences at once, if it reserves per each)."
+
+# KV format name -> its `PoolFormat` (chapter 09 registers its formats)
+KV_FORMATS = Registry("KV format", PoolFormat)
 # attention name -> backend class, built as cls(cache), that reads this chapter's pool (chapters 05a and 05b add theirs)
 ATTENTION_BACKENDS = Registry("attention", PagedAttention)
 ATTENTION_BACKENDS.register("torch", PagedAttention)

@@ -163,11 +163,6 @@ def acceptance_rate(record, prior=PRIOR_ALPHA, weight=PRIOR_WEIGHT):
     return (record.accepted + weight * prior) / (record.judged + weight)
 
 # %% ../nbs/10a_speculative.ipynb #846dced1
-# method name -> `Speculator` class, built as cls(spec, engine) for a resolved `SpeculativeConfig`, whose
-# `propose(running)` makes each decoding sequence's guesses (a `Draft`) before a step and `verify(seq, logits)`
-# keeps what the model agrees with after it; cls.resolve(spec, model folder) fills in and checks the method's options
-SPECULATORS = Registry("speculative method")
-
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Chapter 10's switch in full. method: "ngram" (prompt lookup), "draft" (a small model of the same vocabulary,
@@ -387,6 +382,11 @@ class Speculator(Lookahead):
         k = params.logprobs
         entries = [None] * len(out) if k is None else logprob_entries(raw[:len(out)], out, k)  # the model's own
         return [(seq, t, e) for t, e in zip(out, entries)]
+
+# method name -> `Speculator` class, built as cls(spec, engine) for a resolved `SpeculativeConfig`, whose
+# `propose(running)` makes each decoding sequence's guesses (a `Draft`) before a step and `verify(seq, logits)`
+# keeps what the model agrees with after it; cls.resolve(spec, model folder) fills in and checks the method's options
+SPECULATORS = Registry("speculative method", Speculator)
 
 class NgramSpeculator(Speculator):
     "`speculative=\"ngram\"`: prompt lookup guesses."

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from minfer.model import ModelConfig, Registry
-from minfer.paged import KV_FORMATS, KV_READERS, PagedAttention, PagedKVCache
+from minfer.paged import KV_FORMATS, KV_READERS, PagedAttention, PagedKVCache, PoolFormat
 from minfer.scheduler import Lookahead
 from minfer.engine import SWITCHES, EngineConfig, Rule, Switch
 from minfer.cli import COMMANDS, Command, main as cli_main
@@ -55,8 +55,8 @@ class HalfPool(PagedKVCache):
         super().__init__(cfg, num_blocks, block_size, torch.float16, device)
 
 
-class HalfFormat:
-    name, truncatable, movable, runs_all = "toy-half", True, True, True
+class HalfFormat(PoolFormat):
+    name = "toy-half"
 
     def block_bytes(self, cfg, block_size):
         return PagedKVCache.block_bytes(cfg, block_size, torch.float16)
@@ -313,3 +313,20 @@ def test_a_toy_option_over_http_and_on_the_command_line(model_dir, model, toy_op
     assert cli_main(["generate", prompt, "--raw", "--max-tokens", "6", "--even-only", "true"]) == 0
     text = capsys.readouterr().out.strip()
     assert llm.tokenizer.decode(want).strip().startswith(text)  # ends at EOS if an even EOS came first
+
+
+def test_an_entry_must_be_what_its_registry_holds():
+    "A registry states what an entry provides (its kind): anything else is refused when it is registered."
+    from minfer.speculative import SPECULATORS
+    with pytest.raises(TypeError, match="must be a PoolFormat"):
+        KV_FORMATS.register("toy-bare", object())
+    with pytest.raises(TypeError, match="must be a Command"):
+        COMMANDS.register("toy-bare", lambda args: None)
+    with pytest.raises(TypeError, match="must be a Speculator"):
+        SPECULATORS.register("toy-bare", object)
+
+    class NoPool(PoolFormat):  # says its block size, makes no pool
+        def block_bytes(self, cfg, block_size):
+            return 0
+    with pytest.raises(TypeError, match="abstract"):
+        NoPool()
