@@ -7,11 +7,11 @@ Docs: https://minfer.github.io/minfer/awq.html.md"""
 # %% auto #0
 __all__ = ['AWQ_BITS', 'MAX_Q', 'AWQ_ORDER', 'AWQ_REVERSE_ORDER', 'PROJECTIONS', 'AWQ_CPU_SOURCE', 'TOKENIZER_FILES', 'SUPPORTED',
            'AWQ_PATH', 'quantize_groups', 'dequantize_groups', 'fake_quantize', 'text_path', 'calibration_ids',
-           'CausalBatch', 'capture_inputs', 'calibration_start', 'search_scale', 'search_clip', 'apply_clip',
-           'awq_transform', 'pack_awq_int4', 'unpack_awq_int4', 'pack_awq', 'dequantize_awq', 'pack_q4x8',
-           'awq_cpu_kernels', 'awq_cpu_available', 'matmul_q4x8', 'AWQLinear', 'fuse_awq', 'awq_gemm',
-           'quantization_config', 'quantize_model_tensors', 'quantize_folder', 'is_awq_folder', 'check_awq_config',
-           'load_awq_model', 'awq_bytes_per_token', 'run_quantize', 'perplexity']
+           'capture_inputs', 'calibration_start', 'search_scale', 'search_clip', 'apply_clip', 'awq_transform',
+           'pack_awq_int4', 'unpack_awq_int4', 'pack_awq', 'dequantize_awq', 'pack_q4x8', 'awq_cpu_kernels',
+           'awq_cpu_available', 'matmul_q4x8', 'AWQLinear', 'fuse_awq', 'awq_gemm', 'quantization_config',
+           'quantize_model_tensors', 'quantize_folder', 'is_awq_folder', 'check_awq_config', 'load_awq_model',
+           'awq_bytes_per_token', 'run_quantize', 'perplexity']
 
 # %% ../nbs/08_awq.ipynb #9cda7a9a
 import ctypes, functools, json, math, os, shutil, sys
@@ -27,9 +27,9 @@ if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
 import triton
 import triton.language as tl
 
-from .model import (DTYPES, Llama, ModelConfig, NoCache, PackedLinear, RotaryEmbedding, Tokenizer, WeightFormat,
-                          can_pack, data_dir, check_model_folder, load_model, register_weight_format, make_rope,
-                          check_behaviours)
+from .model import (DTYPES, Llama, ModelConfig, NoCache, PackedCausal, PackedLinear, RotaryEmbedding,
+                          Tokenizer, WeightFormat, can_pack, data_dir, check_model_folder, load_model,
+                          register_weight_format, make_rope, check_behaviours)
 from .roofline import DTYPE_BYTES, param_counts
 from .cpu_kernels import build_cpu_kernels, load_kernels, _kernel
 from .cpu_step import CPU_STEP_SOURCE, STEP_CXX_FLAGS, openmp_runtimes, _STEP_ARGS
@@ -94,15 +94,6 @@ def calibration_ids(tokenizer, n_samples=16, seq_len=512, text=None):
     blocks = torch.tensor(ids[:n_blocks * seq_len]).reshape(n_blocks, seq_len)
     return blocks[torch.arange(n_samples) * n_blocks // n_samples]
 
-class CausalBatch:
-    "Attention for `n_seqs` equal-length sequences packed as rows [n_seqs * T]: each row sees its own sequence's past."
-    def __init__(self, n_seqs): self.n_seqs = n_seqs
-    def __call__(self, layer, q, k, v):
-        S, T = self.n_seqs, q.shape[0] // self.n_seqs
-        q, k, v = (t.reshape(S, T, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return o.transpose(1, 2).reshape(S * T, o.shape[1], o.shape[3])
-
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 def _projection(layer, name):
@@ -125,7 +116,7 @@ def calibration_start(model, ids):
     S, T = ids.shape
     x = model.embed_tokens(ids.reshape(-1).to(model.device))
     cos, sin = model.rope.tables(torch.arange(T, device=x.device).repeat(S), x.dtype)
-    return x, cos, sin, CausalBatch(S)
+    return x, cos, sin, PackedCausal(S, T)
 
 # %% ../nbs/08_awq.ipynb #8a96e16b
 @torch.no_grad()

@@ -6,12 +6,12 @@ Docs: https://minfer.github.io/minfer/eagle.html.md"""
 
 # %% auto #0
 __all__ = ['ASKS', 'SCHEDULES', 'RANK_PRIOR', 'TREE_TOP_K', 'TREE_DEPTH', 'head_config', 'EagleHead', 'FeatureTap', 'tap_of',
-           'topic_words', 'chat_prompts', 'BatchedCausal', 'target_features', 'self_distill', 'draft_vocabulary',
-           'UnrolledCausal', 'make_batch', 'unroll_head', 'head_losses', 'fmt_time', 'train_head', 'default_head_dir',
-           'save_head', 'check_head_folder', 'load_head', 'train_eagle', 'run_train_eagle', 'HeadState',
-           'EagleProposer', 'EagleSpeculator', 'TreeDraft', 'root_paths', 'tree_children', 'tree_greedy', 'keep_draft',
-           'draw_token', 'tree_sample', 'move_kv', 'tree_depths', 'tree_path_tokens', 'static_tree', 'best_nodes',
-           'DraftTree', 'tree_decode_attention']
+           'topic_words', 'chat_prompts', 'target_features', 'self_distill', 'draft_vocabulary', 'UnrolledCausal',
+           'make_batch', 'unroll_head', 'head_losses', 'fmt_time', 'train_head', 'default_head_dir', 'save_head',
+           'check_head_folder', 'load_head', 'train_eagle', 'run_train_eagle', 'HeadState', 'EagleProposer',
+           'EagleSpeculator', 'TreeDraft', 'root_paths', 'tree_children', 'tree_greedy', 'keep_draft', 'draw_token',
+           'tree_sample', 'move_kv', 'tree_depths', 'tree_path_tokens', 'static_tree', 'best_nodes', 'DraftTree',
+           'tree_decode_attention']
 
 # %% ../nbs/10b_eagle.ipynb #e0a3
 import heapq, json, math, random, re, sys, time
@@ -22,7 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from .model import ModelConfig, DecoderLayer, NoCache, make_rope, default_model_dir, check_model_folder
+from .model import (ModelConfig, DecoderLayer, NoCache, PackedCausal, make_rope, default_model_dir,
+                          check_model_folder)
 from .paged import ATTENTION_BACKENDS, KV_FORMATS, PagedKVCache, BlockTable, OutOfBlocks, build_batch_meta
 from .sampling import sample, sampling_probs, logprob_entries
 from .flash import split_kv_decode, load_kv_tile
@@ -120,15 +121,6 @@ def chat_prompts(words, n, seed=0):
     rng = random.Random(seed)
     return [rng.choice(ASKS).format(w=rng.choice(words), u=rng.choice(words)) for _ in range(n)]
 
-class BatchedCausal:
-    "Attention over B sequences of L rows each, packed as [B * L] rows; causal within each sequence."
-    def __init__(self, batch, length): self.B, self.L = batch, length
-    def split(self, x): return x.view(self.B, self.L, *x.shape[1:]).transpose(1, 2)  # [B * L, H, D] -> [B, H, L, D]
-    def join(self, o): return o.transpose(1, 2).reshape(self.B * self.L, o.shape[1], o.shape[3])
-    def __call__(self, layer, q, k, v, **kw):
-        q, k, v = (self.split(x) for x in (q, k, v))
-        return self.join(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
-
 @torch.inference_mode()
 def target_features(model, seqs, batch=16):
     """The target's feature at every position of every token list in `seqs`: one causal pass per `batch` of them,
@@ -141,7 +133,7 @@ def target_features(model, seqs, batch=16):
         L = len(seqs[group[-1]])
         tokens = torch.zeros(len(group), L, dtype=torch.long)
         for b, j in enumerate(group): tokens[b, :len(seqs[j])] = torch.tensor(seqs[j])
-        model(tokens.view(-1), torch.arange(L).repeat(len(group)), BatchedCausal(len(group), L),
+        model(tokens.view(-1), torch.arange(L).repeat(len(group)), PackedCausal(len(group), L),
               logits_rows=torch.tensor([0]))
         f = tap.features().view(len(group), L, -1)
         for b, j in enumerate(group): out[j] = f[b, :len(seqs[j])].clone()
@@ -167,7 +159,7 @@ def draft_vocabulary(data, size):
     return counts.argsort(descending=True, stable=True)[:size]
 
 # %% ../nbs/10b_eagle.ipynb #e0e2
-class UnrolledCausal(BatchedCausal):
+class UnrolledCausal(PackedCausal):
     """Training's attention for a head unrolled over its own predictions (EAGLE-3's "training-time test"): B windows
     of L rows, packed as [B * L] rows per step. Step 1 is causal within each window. Step s's row t stands for guess s
     made after position t: it sees step 1's rows 0..t and its own earlier steps' rows at t, the keys guess s sees at
@@ -181,7 +173,7 @@ class UnrolledCausal(BatchedCausal):
             return super().__call__(layer, q, k, v)
         self.kv.append((self.split(k), self.split(v)))
         keys, values = (torch.cat(x, 2) for x in zip(*self.kv))
-        L = self.L
+        L = self.length
         causal, own = torch.ones(L, L, dtype=torch.bool).tril(), torch.eye(L, dtype=torch.bool)
         mask = torch.cat([causal] + [own] * (len(self.kv) - 1), 1)
         return self.join(F.scaled_dot_product_attention(self.split(q), keys, values, attn_mask=mask, enable_gqa=True))

@@ -12,8 +12,8 @@ __all__ = ['DTYPES', 'GGUF_PACKAGE', 'GGUF_FILE', 'MODEL_FAMILIES', 'ROPE_SCALIN
            'refuse_unsupported', 'describe_llama', 'Behaviour', 'runs_behaviours', 'refused_behaviours',
            'check_behaviours', 'Tokenizer', 'compiled_chat_template', 'sandboxed_jinja', 'RMSNorm', 'RotaryEmbedding',
            'Attention', 'MLP', 'DecoderLayer', 'Llama', 'rope_module', 'make_rope', 'load_model', 'read_checkpoint',
-           'checkpoint_params', 'attend', 'NoCache', 'PackedLinear', 'can_pack', 'pack_weights', 'WeightFormat',
-           'register_weight_format']
+           'checkpoint_params', 'attend', 'NoCache', 'PackedCausal', 'PackedLinear', 'can_pack', 'pack_weights',
+           'WeightFormat', 'register_weight_format']
 
 # %% ../nbs/00a_model.ipynb #afc2d4da
 import dataclasses, datetime, functools, importlib.util, json, math, os, re
@@ -737,6 +737,28 @@ def attend(q, k, v, window=None, softcap=None):
 class NoCache:
     "The simplest attention: the tokens passed in are the whole sequence; nothing is remembered."
     def __call__(self, layer, q, k, v, **kw): return attend(q, k, v, **kw)
+
+class PackedCausal:
+    """`NoCache` for `batch` sequences of `length` tokens each, packed as rows [batch * length] of one forward pass:
+    each row sees its own sequence up to itself (a whole-text pass over many texts at once, as calibration and
+    training make)."""
+    def __init__(self, batch, length):
+        self.batch, self.length = batch, length
+
+    def split(self, x):
+        "[batch * length, heads, dim] -> [batch, heads, length, dim]"
+        return x.view(self.batch, self.length, *x.shape[1:]).transpose(1, 2)
+
+    def join(self, o):
+        "The inverse of `split`."
+        return o.transpose(1, 2).reshape(self.batch * self.length, o.shape[1], o.shape[3])
+
+    def __call__(self, layer, q, k, v, **kw):
+        if kw:  # a layer's own way to attend (chapter 12a's windows, soft-caps): each sequence through `attend`
+            L = self.length
+            return torch.cat([attend(q[i:i + L], k[i:i + L], v[i:i + L], **kw) for i in range(0, len(q), L)])
+        q, k, v = (self.split(x) for x in (q, k, v))
+        return self.join(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
 
 # %% ../nbs/00a_model.ipynb #c15bace6
 class PackedLinear(nn.Module):

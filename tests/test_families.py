@@ -380,3 +380,16 @@ def test_tensor_parallel_refuses_a_mixture_of_experts(tiny):
     with pytest.raises(ValueError, match="expert parallelism") as e:
         EngineConfig(model=str(folder), tensor_parallel_size=2).resolve()
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kw", [{}, {"window": 3}, {"softcap": 2.0}])
+def test_packed_sequences_attend_as_each_alone(kw):
+    """Chapter 00a's PackedCausal (calibration's and training's attention over many texts in one pass) equals NoCache on
+    each sequence alone, also under a layer's window or soft-cap (a family's)."""
+    from minfer.model import NoCache, PackedCausal
+    B, L, hq, hkv, d = 3, 7, 4, 2, 8
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B * L, h, d, generator=g) for h in (hq, hkv, hkv))
+    packed = PackedCausal(B, L)(0, q, k, v, **kw)
+    alone = torch.cat([NoCache()(0, q[i:i + L], k[i:i + L], v[i:i + L], **kw) for i in range(0, B * L, L)])
+    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
