@@ -63,6 +63,15 @@ def test_setup_keeps_cells_that_attach_methods():
     assert workshop.setup_cells(nb, ex) == [0, 1, 2]
 
 
+def test_setup_keeps_cells_that_patch_methods():
+    "A method a later cell of the chapter adds with fastcore's `@patch` (as 06a, 06b and 07a do) is setup too."
+    cells = ["from fastcore.basics import patch", "class A:\n    pass", "@patch\ndef go(self: A): return 1",
+             "unrelated = 3", "#| exercise\ndef f(a): return a.go()", "assert f(A()) == 1"]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    ex = workshop.Exercise(Path("x.ipynb"), cell=4, check=5, functions=["f"], hint=None)
+    assert workshop.setup_cells(nb, ex) == [0, 1, 2]
+
+
 def test_setup_skips_a_measurement_that_only_imports_on_the_way():
     "A cell that imports and then measures is set up only if the exercise needs what it defines; pure imports always."
     cells = ["import math", "from time import perf_counter\nslow = [perf_counter() for _ in range(3)]",

@@ -317,10 +317,28 @@ def names(source: str):
     return defs, uses, imports
 
 
+def _patched_classes(fn):
+    """The classes a top-level function adds itself to with fastcore's `@patch` (its first parameter's annotation:
+    `def schedule(self: Scheduler)` -> {'Scheduler'}); empty for any other function."""
+    def is_patch(d):
+        d = d.func if isinstance(d, ast.Call) else d
+        if isinstance(d, ast.Attribute):
+            return d.attr == "patch"
+        return isinstance(d, ast.Name) and d.id in ("patch", "patch_to")
+    if not any(is_patch(d) for d in fn.decorator_list) or not fn.args.args:
+        return set()
+    annotation = fn.args.args[0].annotation
+    return {x.id for x in ast.walk(annotation) if isinstance(x, ast.Name)} if annotation is not None else set()
+
+
 def _attribute_bases(tree):
-    "Names whose attributes the cell's top-level statements assign: `Scheduler.schedule = schedule` -> {'Scheduler'}."
+    """Names whose attributes the cell's top-level statements set: `Scheduler.schedule = schedule` -> {'Scheduler'},
+    and the classes its `@patch` functions add methods to."""
     out = set()
     for stmt in tree.body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            out |= _patched_classes(stmt)
+            continue
         if isinstance(stmt, ast.Assign): targets = stmt.targets
         elif isinstance(stmt, (ast.AugAssign, ast.AnnAssign)): targets = [stmt.target]
         else: continue
@@ -360,8 +378,8 @@ def _only_imports(source: str) -> bool:
 def setup_cells(nb, ex: Exercise) -> list[int]:
     """Indices of the code cells before exercise `ex` that it and its check need, in notebook order: every cell of
     imports only (an import may register something), and (transitively, walking backwards) the latest cell defining
-    each name they read, plus every cell in between that sets an attribute of one (`Scheduler.schedule = schedule`:
-    methods attached after the class). A cell that imports and then measures something is run only if a name it
+    each name they read, plus every cell in between that sets an attribute of one (`Scheduler.schedule = schedule`, or
+    a method added with `@patch`: methods attached after the class). A cell that imports and then measures something is run only if a name it
     defines is needed. Cells flagged notest/gpu/slow and nbdev's export call are never run."""
     _, need, _ = names(nb.cells[ex.cell].source)
     need |= names(nb.cells[ex.check].source)[1]
