@@ -344,12 +344,14 @@ def decode_tables(meta, block_size):
         entry = torch.repeat_interleave(torch.arange(len(per_entry), device=tables.device), per_entry)
         row = torch.arange(len(entry), device=tables.device)
         tables, lens = tables[entry], (lens[entry] - per_entry[entry] + 1 + row - starts[entry]).to(torch.int32)
-    if not meta.row_keys: return tables, lens, block_size
+    if not meta.row_keys:
+        return tables, lens, block_size
     width, tables = int(lens.max()), tables.long()
     position = torch.arange(width, device=tables.device)
     block = (position // block_size).clamp(max=tables.shape[1] - 1)  # past a row's length: padding, never read
     flat = tables[:, block] * block_size + position % block_size
-    for entry, slots in meta.row_keys.items(): flat[int(starts[entry]), :len(slots)] = slots  # a one-row entry
+    for entry, slots in meta.row_keys.items():  # a one-row entry
+        flat[int(starts[entry]), :len(slots)] = slots
     return flat.to(torch.int32), lens, 1
 
 class CpuAttention(PagedAttention):

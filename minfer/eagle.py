@@ -413,7 +413,8 @@ class EagleProposer:
         def run_keeping_features(batch, copies):
             placed = [(s, s.num_computed, n) for s, n in batch]  # rows in the pass's order
             out = run(batch, copies)
-            if getattr(runner.lookahead, "proposer", None) is not self: return out
+            if getattr(runner.lookahead, "proposer", None) is not self:
+                return out
             features, row = self.tap.features(), 0
             paths = getattr(runner.lookahead, "accepted_paths", {})  # a verified token tree's kept nodes (below)
             for s, start, n in placed:

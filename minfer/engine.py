@@ -93,7 +93,8 @@ class ModelRunner:
         tokens = torch.tensor(tokens, device=dev)
         rows, start = [], 0
         for s, n in batch:
-            if _wants_prompt_rows(s) or s in ahead: rows += range(start, start + n)
+            if _wants_prompt_rows(s) or s in ahead:
+                rows += range(start, start + n)
             elif s.num_computed + n == len(s): rows.append(start + n - 1)
             start += n
         return tokens, positions, torch.tensor(rows, dtype=torch.long, device=dev)

@@ -639,7 +639,8 @@ class Llama(nn.Module):
         """Each layer's (cos, sin) rows for `positions`: looked up once per table, (None, None) for a layer without
         RoPE. `attention`: the forward's, for a table that depends on the batch."""
         tables = [self.rope.tables(positions, dtype, attention)]
-        if self.local_rope is not None: tables.append(self.local_rope.tables(positions, dtype, attention))
+        if self.local_rope is not None:
+            tables.append(self.local_rope.tables(positions, dtype, attention))
         return [(None, None) if r is None else tables[r] for r in self.cfg.layer_ropes]
 
     def forward(self, tokens, positions, attention, logits_rows=None):

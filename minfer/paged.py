@@ -257,7 +257,8 @@ class PagedAttention:
         A one-row entry with keys of its own (`meta.row_keys`) reads those in place of its table's."""
         dev, explicit = meta.block_tables.device, meta.row_keys or {}
         cu, lens, tables = meta.cu_seqlens_q.tolist(), meta.seq_lens.tolist(), meta.block_tables.tolist()
-        prefill = [(cu[i], cu[i + 1], table_slots(tables[i], n, bs, dev)) for i, n in enumerate(lens) if cu[i + 1] - cu[i] > 1]
+        prefill = [(cu[i], cu[i + 1], table_slots(tables[i], n, bs, dev)) for i, n in enumerate(lens)
+                   if cu[i + 1] - cu[i] > 1]
         dec = sorted((i for i in range(len(lens)) if cu[i + 1] - cu[i] == 1), key=lambda i: lens[i])
         decode = []
         for g in (dec[j:j + self.decode_group] for j in range(0, len(dec), self.decode_group)):

@@ -24,7 +24,8 @@ class Lookahead:
         return {}
 
     def rows(self, seq, n):
-        "`seq`'s n scheduled tokens as rows -> (their tokens, RoPE positions, each row's keys or None: all up to its own)."
+        """`seq`\'s n scheduled tokens as rows -> (their tokens, RoPE positions, each row\'s keys or None: all up to
+        its own)."""
         raise NotImplementedError(f"{type(self).__name__} asked for tokens ahead but lays out no rows for them")
 
     def tokens(self, seq, logits):
@@ -171,7 +172,8 @@ def postprocess(self: Scheduler, batch, sampled, kept=None):
     too, and have no KV yet. A sequence that failed alone in this step (chapter 02c's `isolated`: while sampling, or
     here while appending) is released like a finished one. -> the sequences that got a token or ended."""
     kept = kept or {}
-    for seq, n in batch: seq.num_computed += kept.get(seq, n)
+    for seq, n in batch:
+        seq.num_computed += kept.get(seq, n)
     got = list(dict.fromkeys(seq for seq, _, _ in sampled))
     for seq in got:
         if seq.output_ids: seq.metrics.num_decode_passes += 1

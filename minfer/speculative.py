@@ -363,7 +363,8 @@ class Speculator(Lookahead):
     def verify(self, seq, logits):
         """logits [k + 1, vocab]: row j is the target's prediction for output position j of this step, after the first
         k guesses of `seq`'s draft. Under a logits processor (an output constraint, chapter 14) row j is masked as it
-        stands after guesses 1..j (`processed_rows`). -> [(seq, token, logprobs)]: the accepted guesses, then one token."""
+        stands after guesses 1..j (`processed_rows`). -> [(seq, token, logprobs)]: the accepted guesses, then one
+        token."""
         draft, params, raw = self.requests[seq.id].draft, seq.params, logits
         drafts = draft.ids[:len(logits) - 1]
         if seq.logits_processor is not None:
