@@ -173,7 +173,8 @@ class RankGroup:
 
     def broadcast(self, obj=None, wait=None):
         """Rank 0: send `obj`; the others: return it. Its size goes first, then its tag and pickle. `wait`: how long
-        the others wait for the size (a timedelta; None: the group's timeout; `FOREVER`: a rank waiting for work)."""
+        every rank waits for the size, rank 0 for the others to take it (a timedelta; None: the group's timeout;
+        `FOREVER`: a rank waiting for work)."""
         start, root, first = time.perf_counter(), dist.BroadcastOptions(), dist.BroadcastOptions()
         root.rootRank = first.rootRank = 0
         if wait is not None:
@@ -347,9 +348,10 @@ class TensorParallelEngine(LLMEngine):
             wait_for_start(self._ranks(), lambda: _all_joined(store, world), start_timeout,
                            f"LLM(tensor_parallel_size={world})")
             self.group = RankGroup(store, 0, world, host, secret, timeout)
-            self.group.broadcast(("config", config, self.vocab_parallel))
+            starting = datetime.timedelta(seconds=start_timeout)  # a rank still loading takes the message late
+            self.group.broadcast(("config", config, self.vocab_parallel), wait=starting)
             super().__init__(build_shard(config, self.group, self.vocab_parallel), **engine_options(config))
-            self.group.broadcast(("pool", self.cache.num_blocks))
+            self.group.broadcast(("pool", self.cache.num_blocks), wait=starting)
         except BaseException:
             self._finalizer()
             raise
@@ -394,8 +396,10 @@ class TensorParallelEngine(LLMEngine):
     def close(self):
         "Stop every rank (idempotent)."
         if not self.closed:
-            try: self.group.broadcast(("stop",))
-            except RuntimeError: pass  # a rank is gone already: the finalizer stops the rest
+            try:
+                self.group.broadcast(("stop",))
+            except RuntimeError:
+                pass  # a rank is gone already: the finalizer stops the rest
             self.closed = "closed"
         self._finalizer()
 

@@ -130,6 +130,37 @@ def test_an_idle_tensor_parallel_engine_outlives_its_step_timeout(tp, tok):
     assert tp.health() is None
 
 
+def test_a_rank_slower_to_load_than_the_step_timeout_still_starts(monkeypatch):
+    """Rank 0 launched as torchrun launches it, rank 1 played by hand in a thread: it joins, takes the config, then
+    loads for 5 s, longer than the 2 s step timeout. Start-up is bounded by `start_timeout`, not the step timeout:
+    rank 0 waits for the slow rank to take the pool's size (CI lost a run to a rank loading slowly beside a busy
+    neighbour), then stops it cleanly."""
+    import threading
+    from minfer.tp import FOREVER, RankGroup, TensorParallelEngine
+    port, secret = free_port(), os.urandom(32)
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": "0",
+                        "MINFER_WORKER_SECRET": secret.hex()}.items():
+        monkeypatch.setenv(name, value)
+    got = []
+
+    def slow_rank():
+        starting = datetime.timedelta(seconds=60)
+        store = dist.TCPStore("127.0.0.1", port, None, False, starting)
+        store.add("joined", 1)
+        group = RankGroup(store, 1, 2, "127.0.0.1", secret, 2.0)
+        got.append(group.broadcast(wait=starting)[0])
+        time.sleep(5.0)  # loading its slice
+        got.append(group.broadcast(wait=starting)[0])
+        got.append(group.broadcast(wait=FOREVER)[0])
+
+    rank1 = threading.Thread(target=slow_rank, daemon=True)
+    rank1.start()
+    engine = TensorParallelEngine(EngineConfig(tensor_parallel_size=2).resolve(), timeout=2.0, start_timeout=60.0)
+    engine.close()
+    rank1.join(30)
+    assert got == ["config", "pool", "stop"]
+
+
 def test_a_forged_message_is_refused_without_unpickling(tmp_path):
     "The verification alone: only this launch's secret and this message's number unpickle; nothing else runs code."
     from minfer.tp import ForgedMessage, sign, signed_loads
