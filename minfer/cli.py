@@ -130,9 +130,9 @@ def run_serve(a):
     from minfer.serve import serve_main
     return serve_main(a)  # its own one-line errors and exit status
 
-COMMANDS["generate"] = Command("complete a prompt", _generate_args, run_generate)
-COMMANDS["chat"] = Command("chat with the model (interactive unless --message)", _chat_args, run_chat)
-COMMANDS["bench"] = Command("decode speed next to the bandwidth floor, and where a step's time goes", _bench_args,
-                            run_bench)
-COMMANDS["serve"] = Command("OpenAI-compatible HTTP server with a chat page at / (chapter 07b)", _serve_args,
-                            run_serve)
+COMMANDS.register("generate", Command("complete a prompt", _generate_args, run_generate))
+COMMANDS.register("chat", Command("chat with the model (interactive unless --message)", _chat_args, run_chat))
+COMMANDS.register("bench", Command("decode speed next to the bandwidth floor, and where a step's time goes",
+                                   _bench_args, run_bench))
+COMMANDS.register("serve", Command("OpenAI-compatible HTTP server with a chat page at / (chapter 07b)",
+                                   _serve_args, run_serve))

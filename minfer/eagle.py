@@ -22,13 +22,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
 from .model import (ModelConfig, DecoderLayer, NoCache, PackedCausal, make_rope, default_model_dir,
                           check_model_folder)
 from .paged import ATTENTION_BACKENDS, KV_FORMATS, PagedKVCache, BlockTable, OutOfBlocks, build_batch_meta
 from .sampling import sample, sampling_probs, logprob_entries
 from .flash import split_kv_decode, load_kv_tile
 from .sequence import SamplingParams
-from .engine import CONFIG_RULES, Rule
 from fastcore.basics import patch
 from .speculative import SPECULATORS, Speculator, Draft, step_bytes
 from .cli import COMMANDS, Command
@@ -139,14 +139,16 @@ def target_features(model, seqs, batch=16):
         for b, j in enumerate(group): out[j] = f[b, :len(seqs[j])].clone()
     return out
 
-def self_distill(llm, prompts, max_tokens=128, temperatures=(0.0, 0.7), seed=0, log=None):
+def self_distill(llm, prompts, max_tokens=128, temperatures=(0.0, 0.7), seed=0, log=None, progress=False):
     """The target's own answers to `prompts` (the first half at temperatures[0], the rest at temperatures[-1]), and
-    its features over each prompt + answer. -> [(token ids [T], features [T, hidden], where the answer starts)]."""
+    its features over each prompt + answer. -> [(token ids [T], features [T, hidden], where the answer starts)].
+    `progress`: `generate`'s bar over the prompts, with its time estimate."""
     half, seqs, starts = len(prompts) // 2, [], []
     for group, temperature in ((prompts[:half], temperatures[0]), (prompts[half:], temperatures[-1])):
         if not group: continue
         # each prompt one user turn of the model's chat template, as `generate` makes it for any request
-        outs = llm.generate(group, SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed))
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
+        outs = llm.generate(group, params, use_tqdm=progress)
         seqs += [o.prompt_token_ids + o.token_ids for o in outs]
         starts += [len(o.prompt_token_ids) for o in outs]
         if log: log(f"the target wrote {sum(len(o.token_ids) for o in outs)} tokens at temperature {temperature}")
@@ -228,10 +230,10 @@ def head_losses(head, batch, ahead=1, noise=0.0, generator=None):
 def fmt_time(seconds): return f"{int(seconds) // 60}:{int(seconds) % 60:02d}"
 
 def train_head(head, data, steps=800, rows=8, length=192, ahead=2, lr=1e-3, ce_weight=0.1, noise=0.05, seed=0,
-               held_out=None, eval_every=20, log=None):
+               held_out=None, eval_every=20, log=None, progress=False):
     """AdamW on the head's fc and decoder layer (the draft LM head stays fixed), warm-up then cosine decay; the loss
-    sums `head_losses`' steps, step s weighted 0.8 ** (s - 1); `log` gets a progress line with a time estimate every
-    `eval_every` steps. -> the learning curve: [{step, seconds, loss, reg, ce, agree, held_out_agree}] (means since
+    sums `head_losses`' steps, step s weighted 0.8 ** (s - 1); `log` gets a line of the curve every `eval_every`
+    steps; `progress`: a bar over the steps with its time estimate. -> the learning curve: [{step, seconds, loss, reg, ce, agree, held_out_agree}] (means since
     the previous point; agree: step 1's; held_out_agree: one per step)."""
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     params = [p for n, p in head.named_parameters() if not n.startswith("lm_head")]
@@ -241,6 +243,7 @@ def train_head(head, data, steps=800, rows=8, length=192, ahead=2, lr=1e-3, ce_w
         opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
     held = None if not held_out else make_batch(held_out, 4 * rows, length, ahead, random.Random(seed + 1))
     curve, t0, since = [], time.perf_counter(), []
+    bar = tqdm(total=steps, desc="training the head", unit="step", disable=not progress)
     for step in range(1, steps + 1):
         terms = head_losses(head, make_batch(data, rows, length, ahead, rng), ahead, noise, gen)
         reg = sum(r * 0.8 ** i for i, (r, _, _) in enumerate(terms))
@@ -252,20 +255,22 @@ def train_head(head, data, steps=800, rows=8, length=192, ahead=2, lr=1e-3, ce_w
         opt.step()
         schedule.step()
         since.append((loss.item(), reg.item(), ce.item(), terms[0][2].item()))
-        if step % eval_every and step != steps: continue
+        bar.update()
+        if step % eval_every and step != steps:
+            continue
         point = dict(step=step, seconds=round(time.perf_counter() - t0, 1),
                      **{k: round(float(np.mean(v)), 4) for k, v in zip(("loss", "reg", "ce", "agree"), zip(*since))})
         if held is not None:
-            with torch.no_grad(): point["held_out_agree"] = [round(a.item(), 4) for *_, a in
-                                                             head_losses(head, held, ahead)]
+            with torch.no_grad():
+                point["held_out_agree"] = [round(a.item(), 4) for *_, a in head_losses(head, held, ahead)]
         curve.append(point)
         since = []
+        bar.set_postfix(loss=point["loss"], agree=point["agree"])
         if log:
-            done, elapsed = step / steps, time.perf_counter() - t0
             held_line = "  held-out " + ", ".join(f"{a:.2f}" for a in point["held_out_agree"]) if held else ""
-            log(f"[{'#' * int(30 * done):.<30}] step {step}/{steps}  loss {point['loss']:.3f}  agree "
-                f"{point['agree']:.2f}{held_line}  {fmt_time(elapsed)} elapsed, "
-                f"about {fmt_time(elapsed / done - elapsed)} left")
+            log(f"step {step}/{steps}  loss {point['loss']:.3f}  agree {point['agree']:.2f}{held_line}  "
+                f"{fmt_time(point['seconds'])}")
+    bar.close()
     return curve
 
 # %% ../nbs/10b_eagle.ipynb #e0f2
@@ -319,10 +324,11 @@ def load_head(folder, target):
     head.load_state_dict(load_file(str(Path(folder) / "model.safetensors")))
     return head.to(target.device).eval().attach(target)
 
-def train_eagle(src=None, dst=None, schedule="default", seed=0, log=None):
+def train_eagle(src=None, dst=None, schedule="default", seed=0, log=None, progress=False):
     """Build the EAGLE head of the model in `src` (default: the default model) into `dst` (default: `default_head_dir`):
     self-distilled data (the target's answers to chat prompts about words of its vocabulary), the head trained on it
-    (`SCHEDULES[schedule]`), the folder written with its learning curve. -> the folder."""
+    (`SCHEDULES[schedule]`), the folder written with its learning curve. -> the folder. `progress`: bars with time
+    estimates over the answers written and the training steps."""
     if schedule not in SCHEDULES: raise ValueError(f"schedule {schedule!r} is unknown; allowed: {', '.join(SCHEDULES)}")
     s, log, t0 = SCHEDULES[schedule], log or (lambda line: None), time.perf_counter()
     src = check_model_folder(src or default_model_dir())
@@ -330,7 +336,7 @@ def train_eagle(src=None, dst=None, schedule="default", seed=0, log=None):
     llm = LLM(str(src))
     torch.manual_seed(seed)
     prompts = chat_prompts(topic_words(llm.tokenizer), s["prompts"], seed)
-    data = self_distill(llm, prompts, s["max_tokens"], seed=seed, log=log)
+    data = self_distill(llm, prompts, s["max_tokens"], seed=seed, log=log, progress=progress)
     n_held = max(1, len(data) // 10)
     train, held = data[n_held:], data[:n_held]
     log(f"{sum(len(t) for t, *_ in data)} positions of self-distilled data in {fmt_time(time.perf_counter() - t0)}")
@@ -341,7 +347,7 @@ def train_eagle(src=None, dst=None, schedule="default", seed=0, log=None):
         head.lm_head.weight.copy_(llm.model.lm_head.weight[d2t].float())
         head.d2t.copy_(d2t)
     curve = train_head(head, train, s["steps"], s["rows"], s["length"], s["ahead"], seed=seed, held_out=held,
-                       eval_every=max(1, s["steps"] // 40), log=log)
+                       eval_every=max(1, s["steps"] // 40), log=log, progress=progress)
     loss = "sum over unrolled steps s of 0.8^(s-1) * (smooth_l1(features) + 0.1 * cross_entropy(target probs))"
     how = dict(schedule=schedule, **s, seed=seed, loss=loss,
                held_out_coverage=round(coverage, 4), train_positions=sum(len(t) - a for t, _, a in train),
@@ -356,12 +362,14 @@ def _train_args(p):
     p.add_argument("--seed", type=int, default=0)
 
 def run_train_eagle(a):
-    out = train_eagle(a.src, a.dst, a.schedule, a.seed, log=lambda line: print(line, file=sys.stderr, flush=True))
+    # each line is written above the progress bars (tqdm.write), both on stderr
+    out = train_eagle(a.src, a.dst, a.schedule, a.seed, log=lambda line: tqdm.write(line, file=sys.stderr),
+                      progress=True)
     print(f"wrote {out}: use it with LLM(model, speculative={{'method': 'eagle', 'model': {str(out)!r}}}), or "
           "speculative='eagle' where it is the model's default head (its folder name + '-eagle', beside it)")
 
-COMMANDS["train-eagle"] = Command("train an EAGLE draft head on a model's own answers (chapter 10b)", _train_args,
-                                  run_train_eagle)
+COMMANDS.register("train-eagle", Command(
+    "train an EAGLE draft head on a model's own answers (chapter 10b)", _train_args, run_train_eagle))
 
 # %% ../nbs/10b_eagle.ipynb #e0g2
 class HeadState:
@@ -392,7 +400,6 @@ class EagleProposer:
         self.states = {}  # sequence id -> HeadState
         # for adaptive k (chapter 10a): a head pass costs its weights' share of a target step, 31 MB of 538 in fp32
         self.pass_cost = sum(p.numel() * p.element_size() for p in self.head.parameters()) / step_bytes(target)
-        self._watch(engine.runner)
         # with the target on the one-call step (kernels='step', chapter 05c) the head's layer and reduced LM head are
         # one `decode_step` call as well: ~30 PyTorch ops of Python cost more than the head's 31 MB take to read
         self.pointers = None
@@ -406,29 +413,22 @@ class EagleProposer:
         if seq.id not in self.states: self.states[seq.id] = HeadState(seq, self.cache.allocator)
         return self.states[seq.id]
 
-    def _watch(self, runner):
-        """After every pass of the runner, file the target's features under their sequences and positions (while
-        this proposer's speculator is the runner's `lookahead`: a benchmark may switch between several)."""
-        run = runner.run
-        def run_keeping_features(batch, copies):
-            placed = [(s, s.num_computed, n) for s, n in batch]  # rows in the pass's order
-            out = run(batch, copies)
-            if getattr(runner.lookahead, "proposer", None) is not self:
-                return out
-            features, row = self.tap.features(), 0
-            paths = getattr(runner.lookahead, "accepted_paths", {})  # a verified token tree's kept nodes (below)
-            for s, start, n in placed:
-                st, path = self._state(s), paths.pop(s.id, None)
-                # a tree's node i was row 1 + i; the kept ones now sit at the positions after the root, in order
-                rows = range(n) if path is None else [0] + [1 + i for i in path]
-                for j, r in enumerate(rows): st.features[start + j] = features[row + r]
-                # no re-run reads further back than the window: older features go (a sequence that makes no guess
-                # would otherwise hold a view of every pass's features until it finishes)
-                for t in range(max(0, start - self.window - 1), start + len(rows) - self.window - 1):
-                    st.features.pop(t, None)
-                row += n
-            return out
-        runner.run = run_keeping_features
+    def file_features(self, batch, paths=None):
+        """After a pass of the target over `batch` [(sequence, scheduled tokens)], in its rows' order: file the
+        target's features under their sequences and positions. `paths`: sequence id -> the nodes of a verified token
+        tree its verify kept (below), taken out as they are filed."""
+        features, row, paths = self.tap.features(), 0, {} if paths is None else paths
+        for s, n in batch:
+            st, path, start = self._state(s), paths.pop(s.id, None), s.num_computed  # counted after the step
+            # a tree's node i was row 1 + i; the kept ones now sit at the positions after the root, in order
+            rows = range(n) if path is None else [0] + [1 + i for i in path]
+            for j, r in enumerate(rows):
+                st.features[start + j] = features[row + r]
+            # no re-run reads further back than the window: older features go (a sequence that makes no guess
+            # would otherwise hold a view of every pass's features until it finishes)
+            for t in range(max(0, start - self.window - 1), start + len(rows) - self.window - 1):
+                st.features.pop(t, None)
+            row += n
 
     def _head(self, entries, tokens, features, positions, keys=None, logits_rows=None):
         """One pass of the head over one-row entries [(table, position, 1)] (`keys`: each row's own key positions, a
@@ -441,14 +441,15 @@ class EagleProposer:
         if any(floors):  # rows past the window: their keys listed, those before the window left out
             keys = [range(f, c + 1) if ks is None else [q for q in ks if q >= f]
                     for (_, c, _), f, ks in zip(entries, floors, keys or [None] * len(entries))]
-        self.attn.meta = build_batch_meta(entries, self.cache.block_size, self.head.fc.weight.device, keys)
+        meta = build_batch_meta(entries, self.cache.block_size, self.head.fc.weight.device, keys)
+        attention = self.attn.bind(meta)
         if self.pointers is None or len(entries) > self.step_rows:
-            g = self.head(tokens, features, positions, self.attn)
+            g = self.head(tokens, features, positions, attention)
             return g, self.head.draft_logits(g if logits_rows is None else g[logits_rows]).float()
         x = self.head.inputs(tokens, features)  # the call turns it into g, in place
         cos, sin = self.head.rope.tables(positions, x.dtype)
         logits = step_call(("decode_step", cpu_step_kernels()), self.pointers, self.step_cfg, x, cos, sin,
-                                 self.attn)
+                           attention)
         return x, logits if logits_rows is None else logits[logits_rows]
 
     def _forward(self, work):
@@ -505,6 +506,10 @@ class EagleSpeculator(Speculator):
     from an EAGLE head, found and checked when the config is resolved (default: `default_head_dir` of the target)."""
     proposer_class = EagleProposer
     method_options = ("model", "tree")  # `model` names the head's folder; `tree` the token tree (below)
+
+    def passed(self, batch):
+        "After every pass of the target (chapter 06a's hook): its features go to the head's proposer."
+        self.proposer.file_features(batch)
 
     @classmethod
     def resolve(cls, spec, model_folder):
@@ -651,16 +656,24 @@ def __init__(self: EagleSpeculator, config, engine):
     self.accepted_paths = {}   # sequence id -> the node indices of the path its last verify kept
     self.accepted_depths = {}  # depth -> verifies that kept so many
 
-def _tree(c): return c.speculative is not None and c.speculative.tree is not None
-CONFIG_RULES.extend([
-    Rule(("speculative", "attention"), lambda c: _tree(c) and c.attention not in ("torch", "cpu"),
-         lambda c: f"speculative tree={c.speculative.tree!r} gives each row its own list of keys, which "
-                   f"attention='torch' and 'cpu' read (and kernels='step'); attention={c.attention!r} reads whole "
-                   "block tables"),
-    Rule(("speculative", "kv_dtype", "dtype"), lambda c: _tree(c) and c.kv_dtype in KV_FORMATS,
-         lambda c: f"speculative tree={c.speculative.tree!r} moves kept nodes' K/V between slots as stored in the "
-                   f"model's dtype; kv_dtype={c.kv_dtype!r} stores them quantized: use kv_dtype={c.dtype!r}"),
-])
+@patch
+def passed(self: EagleSpeculator, batch):
+    "After every pass of the target: its features go to the head's proposer, a verified tree's kept rows only."
+    self.proposer.file_features(batch, self.accepted_paths)
+
+@patch(cls_method=True)
+def refuses(cls: EagleSpeculator, config):
+    "A token tree's limits (chapter 10a's `Speculator.refuses`): the backends that read per-row keys, a plain pool."
+    tree = config.speculative.tree
+    if tree is None:
+        return None
+    if config.attention not in ("torch", "cpu"):
+        return (f"speculative tree={tree!r} gives each row its own list of keys, which attention='torch' and 'cpu' "
+                f"read (and kernels='step'); attention={config.attention!r} reads whole block tables")
+    if config.kv_dtype in KV_FORMATS:
+        return (f"speculative tree={tree!r} moves kept nodes' K/V between slots as stored in the model's dtype; "
+                f"kv_dtype={config.kv_dtype!r} stores them quantized: use kv_dtype={config.dtype!r}")
+    return None
 
 # %% ../nbs/10b_eagle.ipynb #t446941
 # how often the head's r-th choice is the target's next token, a rough prior that a static tree's shape is cut by

@@ -49,21 +49,23 @@ class ModelRunner:
         self.ledger = Ledger(model.cfg, str(model.dtype).removeprefix("torch."), projection_bits=projection_bits)
 
     def run(self, batch, copies):
-        tokens, positions, rows = self.prepare(batch)
+        tokens, positions, meta, rows = self.prepare(batch)
         # always run the pass, even when no sequence needs logits: a prefill chunk's job is to write its KV
-        logits = self.forward(tokens, positions, rows, copies)
+        logits = self.forward(tokens, positions, meta, rows, copies)
         self.account(batch, len(rows))
         sampled, kept = self.sample(batch, logits)
+        self.lookahead.passed(batch)
         self.ledger.generated(len(sampled))
         return sampled, kept
 
-    def forward(self, tokens, positions, rows, copies):
-        "The pool's copy-on-write copies, then one pass of the model (chapter 13's runner sends both to other ranks)."
+    def forward(self, tokens, positions, meta, rows, copies):
+        """The pool's copy-on-write copies, then one pass of the model over the step's batch `meta` (chapter 13's
+        runner sends all of it to other ranks)."""
         self.cache.copy_blocks(copies)
-        return self.model(tokens, positions, self.attn, logits_rows=rows)
+        return self.model(tokens, positions, self.attn.bind(meta), logits_rows=rows)
 
     def prepare(self, batch):
-        "-> tokens, positions [T] and the rows whose logits are needed; sets the attention's `BatchMeta`."
+        "-> tokens, positions [T], the step's `BatchMeta` and the rows whose logits are needed."
         dev = self.model.device
         # a sequence with tokens ahead (chapter 06a's `Lookahead`) runs each of its n tokens as a one-row entry at
         # position c + i, laid out by the lookahead: its token, the position RoPE turns it by, and its keys where they
@@ -86,10 +88,10 @@ class ModelRunner:
             owners.append(s)
             positions += range(c, c + n)
             tokens += s.token_ids[c:c + n]
-        self.attn.meta = build_batch_meta(tables, self.cache.block_size, dev, keys)
+        meta = build_batch_meta(tables, self.cache.block_size, dev, keys)
         positions = torch.tensor(positions, device=dev)
         # each entry's whole prompt, which a prompt run in chunks over several steps has not all in its `seq_lens`
-        self.attn.meta.prompt_lens = torch.tensor([len(s.prompt_ids) for s in owners], device=dev)
+        meta.prompt_lens = torch.tensor([len(s.prompt_ids) for s in owners], device=dev)
         tokens = torch.tensor(tokens, device=dev)
         rows, start = [], 0
         for s, n in batch:
@@ -97,7 +99,7 @@ class ModelRunner:
                 rows += range(start, start + n)
             elif s.num_computed + n == len(s): rows.append(start + n - 1)
             start += n
-        return tokens, positions, torch.tensor(rows, dtype=torch.long, device=dev)
+        return tokens, positions, meta, torch.tensor(rows, dtype=torch.long, device=dev)
 
     def sample(self, batch, logits):
         """Walk the logits rows in `prepare`'s order: prompt logprobs, then a token for each sequence that is ready; a

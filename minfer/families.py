@@ -121,7 +121,7 @@ def sequence_lengths(attention):
 
 ROPE_SCALINGS.update(linear=LinearRope, llama3=Llama3Rope, longrope=LongRope)
 HF_ACTIVATIONS.update(gelu_pytorch_tanh="gelu_tanh", gelu_tanh="gelu_tanh")
-ACTIVATIONS["gelu_tanh"] = lambda x: F.gelu(x, approximate="tanh")  # GeGLU's gate (Gemma)
+ACTIVATIONS.register("gelu_tanh", lambda x: F.gelu(x, approximate="tanh"))  # GeGLU's gate (Gemma)
 
 # %% ../nbs/12a_families.ipynb #8dd75490
 def layer_kinds(d, default):
@@ -203,7 +203,7 @@ for name, describe, about in (
         ("gemma3_text", describe_gemma3, "Gemma 3 (text): q/k norms, 5 local layers : 1 global, two RoPE bases"),
         ("phi3", describe_phi3, "Phi-3, Phi-4-mini: fused checkpoint tensors, partial rotary, LongRoPE"),
         ("smollm3", describe_smollm3, "SmolLM3: no RoPE on every 4th layer")):
-    MODEL_FAMILIES[name] = Family(describe, about=about)
+    MODEL_FAMILIES.register(name, Family(describe, about=about))
 
 # what the families do beyond Llama, as `ModelConfig.behaviours()` names it (chapter 00a's `BEHAVIOURS`)
 BEHAVIOURS.update(

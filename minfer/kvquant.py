@@ -327,7 +327,7 @@ class KIVIFormat(PoolFormat):
         "This format's pool (`Int4KVCache`, below): a residual slot for each of `max_seqs` sequences, blocks in the rest."
         return Int4KVCache.from_budget(cfg, budget_bytes, block_size, dtype, device, self.name, max_seqs)
 
-KV_FORMATS["int4"] = KIVIFormat()
+KV_FORMATS.register("int4", KIVIFormat())
 runs_behaviours("kv_dtype='int4'", "qkv_bias", "o_bias", "mlp_bias", "hidden_act")  # chapter 00a's
 
 class Int4View:
@@ -624,8 +624,9 @@ def kv_logprobs(model, ids, kv_dtype="auto", chunk=32, block_size=16, attention=
     for start in range(0, len(ids), chunk):
         new = torch.as_tensor(ids[start:start + chunk], device=model.device)
         table.append_slots(len(new))
-        attn.meta = build_batch_meta([(table, start, len(new))], block_size, model.device)
-        out.append(model(new, torch.arange(start, start + len(new), device=model.device), attn).float().log_softmax(-1))
+        step = attn.bind(build_batch_meta([(table, start, len(new))], block_size, model.device))
+        positions = torch.arange(start, start + len(new), device=model.device)
+        out.append(model(new, positions, step).float().log_softmax(-1))
     return torch.cat(out)[:-1]
 
 def kv_quality(model, ids, kv_dtypes=None, chunk=32):

@@ -16,7 +16,7 @@ __all__ = ['DTYPES', 'GGUF_PACKAGE', 'GGUF_FILE', 'MODEL_FAMILIES', 'ROPE_SCALIN
            'WeightFormat', 'register_weight_format']
 
 # %% ../nbs/00a_model.ipynb #afc2d4da
-import dataclasses, datetime, functools, importlib.util, json, math, os, re
+import collections.abc, dataclasses, datetime, functools, importlib.util, json, math, os, re
 from dataclasses import dataclass
 from typing import Callable
 from pathlib import Path
@@ -313,8 +313,10 @@ MODEL_FAMILIES = Registry("model_type", Family)
 # rope_type -> the `RotaryEmbedding` class that builds its tables (registered with the class, below)
 ROPE_SCALINGS = Registry("rope_type", nn.Module)
 # config.json's activation names -> ours; ours -> the function (chapter 12a adds GeGLU's tanh-GELU)
-HF_ACTIVATIONS = {"silu": "silu", "swish": "silu"}
-ACTIVATIONS = {"silu": F.silu}
+HF_ACTIVATIONS = Registry("hidden_act", str)  # a config's `hidden_act` -> the name of the activation it means
+HF_ACTIVATIONS.update(silu="silu", swish="silu")
+ACTIVATIONS = Registry("activation", collections.abc.Callable)
+ACTIVATIONS.register("silu", F.silu)
 
 def rope_inv_freq(theta, dim):
     "RoPE's frequencies: theta ** (-2i / dim) for i < dim / 2, as transformers computes them."
@@ -360,7 +362,7 @@ def describe_llama(d):
     bias = bool(d.get("attention_bias", False))
     return dict(rope=rope_spec(d), qkv_bias=bias, o_bias=bias, mlp_bias=bool(d.get("mlp_bias", False)))
 
-MODEL_FAMILIES["llama"] = Family(describe_llama, about="Llama 2 and 3.x, SmolLM2 (chapter 00a)")
+MODEL_FAMILIES.register("llama", Family(describe_llama, about="Llama 2 and 3.x, SmolLM2 (chapter 00a)"))
 
 @dataclass(frozen=True)
 class Behaviour:
@@ -540,7 +542,7 @@ class RotaryEmbedding(nn.Module):
         if r == x.shape[-1]: return x * cos + x.roll(r // 2, -1) * sin
         return torch.cat([x[..., :r] * cos + x[..., :r].roll(r // 2, -1) * sin, x[..., r:]], -1)  # partial rotary
 
-ROPE_SCALINGS["default"] = RotaryEmbedding
+ROPE_SCALINGS.register("default", RotaryEmbedding)
 
 # %% ../nbs/00a_model.ipynb #ea7ffec0
 class Attention(nn.Module):
@@ -591,7 +593,7 @@ class MLP(nn.Module):
 
 # the MLP of a layer: "dense" here, "moe" (a mixture of experts) from chapter 12b
 MLP_KINDS = Registry("mlp", nn.Module)
-MLP_KINDS["dense"] = MLP
+MLP_KINDS.register("dense", MLP)
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg, layer):

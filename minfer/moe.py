@@ -73,7 +73,7 @@ class MoE(nn.Module):
         if self.touched is not None: self.touched.append(sum(n > 0 for n in counts))
         return out.to(y.dtype)
 
-MLP_KINDS["moe"] = MoE
+MLP_KINDS.register("moe", MoE)
 
 # %% ../nbs/12b_moe.ipynb #527213b9
 def describe_qwen3_moe(d):
@@ -93,12 +93,13 @@ def describe_mixtral(d):
     return dict(describe_mistral(d), num_experts=d["num_local_experts"], num_experts_per_tok=d["num_experts_per_tok"],
                 moe_intermediate_size=d["intermediate_size"], norm_topk_prob=True, moe_layers=tuple(range(n)))
 
-BEHAVIOURS["experts"] = Behaviour(lambda cfg: cfg.num_experts > 0, "mixtures of experts in place of MLPs")
+BEHAVIOURS.register("experts", Behaviour(lambda cfg: cfg.num_experts > 0, "mixtures of experts in place of MLPs"))
 runs_behaviours("kv_dtype='int4'", "experts")  # chapter 09's int4 KV: the MLPs are not its business
 
-MODEL_FAMILIES["qwen3_moe"] = Family(describe_qwen3_moe, about="Qwen3-MoE (30B-A3B, 235B-A22B): 128 experts, top 8")
-MODEL_FAMILIES["mixtral"] = Family(describe_mixtral, about="Mixtral 8x7B: 8 experts, top 2", renames=(
+MODEL_FAMILIES.register("qwen3_moe", Family(
+    describe_qwen3_moe, about="Qwen3-MoE (30B-A3B, 235B-A22B): 128 experts, top 8"))
+MODEL_FAMILIES.register("mixtral", Family(describe_mixtral, about="Mixtral 8x7B: 8 experts, top 2", renames=(
     (r"\.block_sparse_moe\.gate\.", ".mlp.gate."),
     (r"\.block_sparse_moe\.experts\.(\d+)\.w1\.", r".mlp.experts.\1.gate_proj."),
     (r"\.block_sparse_moe\.experts\.(\d+)\.w3\.", r".mlp.experts.\1.up_proj."),
-    (r"\.block_sparse_moe\.experts\.(\d+)\.w2\.", r".mlp.experts.\1.down_proj.")))
+    (r"\.block_sparse_moe\.experts\.(\d+)\.w2\.", r".mlp.experts.\1.down_proj."))))

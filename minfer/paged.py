@@ -11,7 +11,7 @@ __all__ = ['KV_FORMATS', 'ATTENTION_BACKENDS', 'KV_READERS', 'OutOfBlocks', 'Blo
            'paged_generate', 'block_holders', 'draw_block_map']
 
 # %% ../nbs/03_paged.ipynb #f0efabad
-import abc
+import abc, copy
 from collections import deque
 from dataclasses import dataclass
 import torch
@@ -229,19 +229,23 @@ class PagedKVCache:
 
 # %% ../nbs/03_paged.ipynb #2d4b7ed3
 class PagedAttention:
-    """The model's `attention(layer, q, k, v)` over a paged cache. Set `meta` (a `BatchMeta`) before each forward.
-    `__call__` writes the new k, v at `meta.slot_mapping`; `attention` is the PyTorch reference (subclasses override it)."""
+    """Attention over a paged cache. `bind(meta)` gives the model's `attention(layer, q, k, v)` for one step's batch
+    `meta` (a `BatchMeta`); its `__call__` writes the new k, v at `meta.slot_mapping`; `attention` is the PyTorch
+    reference (subclasses override it)."""
     decode_group = 16  # decode sequences attended together in one padded SDPA call (sorted by length, so little padding)
     # what this backend runs on; the engine's config refuses other combinations (chapter 06b)
     devices, dtypes = ("cpu", "cuda"), ("float32", "bfloat16", "float16")
 
-    def __init__(self, cache): self.cache, self._meta, self.plan, self.window_plans = cache, None, None, {}
+    def __init__(self, cache):
+        self.cache, self.meta, self.plan, self.window_plans = cache, None, None, {}
 
-    @property
-    def meta(self): return self._meta
-    @meta.setter
-    def meta(self, meta):  # the plans are made by the first layer that needs them, used by all
-        self._meta, self.plan, self.window_plans = meta, None, {}
+    def bind(self, meta):
+        """This backend for one step's batch `meta`: what the model takes as its `attention` for that step. The
+        step's batch travels with the call, never left on the shared backend; the plans are made by the first layer
+        that needs them and used by all of the step's layers."""
+        step = copy.copy(self)
+        step.meta, step.plan, step.window_plans = meta, None, {}
+        return step
 
     def __call__(self, layer, q, k, v, window=None, softcap=None):
         self.cache.store(layer, self.meta.slot_mapping, k, v)
@@ -438,10 +442,11 @@ class PagedGenerator:
                     start, new = t.num_tokens, s.token_ids[t.num_tokens:]
                     self.cache.copy_blocks(t.append_slots(len(new)))
                     steps.append((s, t, start, new))
-                attn.meta = build_batch_meta([(t, c, len(new)) for _, t, c, new in steps], self.block_size, dev)
+                meta = build_batch_meta([(t, c, len(new)) for _, t, c, new in steps], self.block_size, dev)
                 tokens = torch.tensor([x for *_, new in steps for x in new], device=dev)
                 positions = torch.cat([torch.arange(c, c + len(new), device=dev) for _, _, c, new in steps])
-                logits = model(tokens, positions, attn, logits_rows=(attn.meta.cu_seqlens_q[1:] - 1).long())
+                last_rows = (meta.cu_seqlens_q[1:] - 1).long()
+                logits = model(tokens, positions, attn.bind(meta), logits_rows=last_rows)
                 for (s, t, _, _), row in zip(steps, logits):
                     sp = s.params
                     if not s.output_ids and len(groups[s.request_id]) < sp.n:  # prompt done: fork the other samples

@@ -19,7 +19,8 @@ class Lookahead:
     """How many tokens a running sequence computes ahead of its due ones in a step (a hook: none here). `wanted` is
     asked once per step, before the scheduler decides: -> {sequence: tokens ahead}, for the sequences that want any.
     Chapter 06b's runner asks the same object how those tokens' rows are laid out and judged (`rows`, `tokens`): a
-    hook that wants tokens ahead defines both."""
+    hook that wants tokens ahead defines both, and is shown every pass of the model after its rows are judged
+    (`passed`): a hook that reads what a pass computed, for every sequence in it, files it there."""
     def wanted(self, running):
         return {}
 
@@ -31,6 +32,10 @@ class Lookahead:
     def tokens(self, seq, logits):
         "`seq`'s n rows of logits -> ([(seq, token, logprobs)], how many of its n tokens keep their KV)."
         raise NotImplementedError(f"{type(self).__name__} asked for tokens ahead but judges no rows for them")
+
+    def passed(self, batch):
+        "After a pass of the model over `batch` [(sequence, scheduled tokens)] and its sampling: nothing to file here."
+        pass
 
 # %% ../nbs/06a_scheduler.ipynb #311c4e72
 class Scheduler:

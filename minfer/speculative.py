@@ -240,6 +240,10 @@ def _attach_speculator(engine, config):
     if config.speculative is not None:
         engine.lookahead = SPECULATORS[config.speculative.method](config.speculative, engine)
 
+def _method_refuses(c):
+    "Why the speculative method of `c` cannot run with the rest of `c` (its `refuses`), or None."
+    return None if c.speculative is None else SPECULATORS[c.speculative.method].refuses(c)
+
 def _rolls_back(c):
     "Whether the pool of `c` can drop a rejected guess's KV from its block (chapter 09's formats say)."
     return c.kv_dtype not in KV_FORMATS or KV_FORMATS[c.kv_dtype].truncatable
@@ -253,7 +257,9 @@ SWITCHES.register("speculative", Switch(
                        f"(got kv={c.kv!r})"),
         Rule(("speculative", "kv_dtype"), lambda c: c.speculative is not None and not _rolls_back(c),
              lambda c: f"kv_dtype={c.kv_dtype!r} cannot drop a rejected guess's KV from its block (its residual "
-                       "window is quantized already); use kv_dtype='int8' with speculative decoding"))))
+                       "window is quantized already); use kv_dtype='int8' with speculative decoding"),
+        # the method's own limits, which may read any switch registered before it
+        Rule(("speculative", *SWITCHES), lambda c: _method_refuses(c) is not None, _method_refuses))))
 
 # %% ../nbs/10a_speculative.ipynb #d4fad094
 def processed_rows(processor, logits, guesses):
@@ -279,6 +285,12 @@ class Speculator(Lookahead):
     (`proposer_class`), registered in `SPECULATORS`."""
     proposer_class = None
     method_options = ()  # the options of `SpeculativeConfig` only some methods take ("model", ...) that this one does
+
+    @classmethod
+    def refuses(cls, config):
+        """Why this method cannot run with the resolved engine `config` (one line naming what to change), or None.
+        The switch's own rules (below) cover every method; a method with further limits says them here."""
+        return None
 
     @classmethod
     def resolve(cls, spec, model_folder):
@@ -417,11 +429,11 @@ class DraftProposer:
     def _forward(self, work):
         "work: [(table, start position, tokens)] -> the logits of each one's last token; writes their KV."
         dev = self.model.device
-        self.attn.meta = build_batch_meta([(t, s, len(x)) for t, s, x in work], self.cache.block_size, dev)
+        meta = build_batch_meta([(t, s, len(x)) for t, s, x in work], self.cache.block_size, dev)
         tokens = torch.tensor([i for _, _, x in work for i in x], device=dev)
         positions = torch.cat([torch.arange(s, s + len(x), device=dev) for _, s, x in work])
         last = torch.tensor(np.cumsum([len(x) for _, _, x in work]) - 1, device=dev)
-        return self.model(tokens, positions, self.attn, logits_rows=last)
+        return self.model(tokens, positions, self.attn.bind(meta), logits_rows=last)
 
     def _catch_up(self, seq, k):
         """-> (table, first position to compute) for `seq` in the draft's pool, its table cut back to the tokens that

@@ -287,8 +287,7 @@ def rank_main(rank, world, host, port, secret, timeout=60.0, start_timeout=300.0
                     return 0
                 _, copies, tokens, positions, meta, rows = msg
                 cache.copy_blocks(copies)
-                attn.meta = meta
-                model(tokens, positions, attn, logits_rows=rows)
+                model(tokens, positions, attn.bind(meta), logits_rows=rows)
     except (RuntimeError, ForgedMessage) as e:  # a collective failed (rank 0 or another rank is gone), or a forgery
         print(f"minfer worker rank {rank}: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 1
@@ -305,9 +304,9 @@ VOCAB_PARALLEL = True
 class TensorParallelRunner(ModelRunner):
     "Rank 0's runner: a step's inputs go to the other ranks first, then every rank runs its slice of the same forward."
     group = None
-    def forward(self, tokens, positions, rows, copies):
-        self.group.broadcast(("step", copies, tokens, positions, self.attn.meta, rows))
-        return super().forward(tokens, positions, rows, copies)
+    def forward(self, tokens, positions, meta, rows, copies):
+        self.group.broadcast(("step", copies, tokens, positions, meta, rows))
+        return super().forward(tokens, positions, meta, rows, copies)
 
 class TensorParallelEngine(LLMEngine):
     """`LLMEngine` over a model split across `tensor_parallel_size` processes: this process is rank 0 (scheduler,
@@ -469,8 +468,9 @@ def worker_main(argv=None):
     if rank == 0: raise ValueError("RANK=0 is the process that runs the LLM; start the workers with RANK >= 1")
     return rank_main(rank, world, env["MASTER_ADDR"], int(env["MASTER_PORT"]), worker_secret())
 
-COMMANDS["worker"] = Command("a rank of a tensor-parallel group, from torchrun's environment (chapter 13)",
-                             lambda p: None, lambda a: worker_main())
+COMMANDS.register("worker", Command(
+    "a rank of a tensor-parallel group, from torchrun's environment (chapter 13)",
+    lambda p: None, lambda a: worker_main()))
 
 if __name__ == "__main__" and "__file__" in globals(): sys.exit(worker_main())
 

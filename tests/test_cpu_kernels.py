@@ -127,7 +127,7 @@ def decode_step(cfg, cls, dtype, lens, bs, seed, keys=None):
     cache.k.copy_(torch.randn(cache.k.shape, generator=g)); cache.v.copy_(torch.randn(cache.v.shape, generator=g))
     nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
     qkv = torch.randn(len(lens), nq + 2 * nkv, cfg.head_dim, generator=g).to(dtype)
-    attn = cls(cache); attn.meta = build_batch_meta([(t, n - 1, 1) for t, n in zip(tables, lens)], bs, keys=keys)
+    attn = cls(cache).bind(build_batch_meta([(t, n - 1, 1) for t, n in zip(tables, lens)], bs, keys=keys))
     out = attn(5, qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:])
     return out, cache.k, cache.v
 
@@ -163,7 +163,7 @@ def test_cpu_attention_leaves_prefill_to_chapter_03(cfg):
     for cls in (PagedAttention, CpuAttention):
         cache = PagedKVCache(cfg, 8, 16, torch.float32)
         t = BlockTable(cache.allocator); t.append_slots(20)
-        attn = cls(cache); attn.meta = build_batch_meta([(t, 0, 20)], 16)
+        attn = cls(cache).bind(build_batch_meta([(t, 0, 20)], 16))
         qkv = torch.randn(20, 15, 64, generator=torch.Generator().manual_seed(1))
         outs.append(attn(0, qkv[:, :9], qkv[:, 9:12], qkv[:, 12:]))
     assert torch.equal(*outs)

@@ -59,12 +59,12 @@ def prefill_then_decode(model, prompts, steps, bs=8, seed=0, feed=None):
     with torch.inference_mode():
         for ids in prompts:
             t = BlockTable(cache.allocator); t.append_slots(len(ids)); tables.append(t)
-            attn.meta = build_batch_meta([(t, 0, len(ids))], bs)
+            attn = attn.bind(build_batch_meta([(t, 0, len(ids))], bs))
             nxt.append(int(model(torch.tensor(ids), torch.arange(len(ids)), attn, logits_rows=torch.tensor([len(ids) - 1]))[0].argmax()))
         for i in range(steps):
             if feed is not None: nxt = feed[i].tolist()
             for t in tables: t.append_slots(1)
-            attn.meta = build_batch_meta([(t, t.num_tokens - 1, 1) for t in tables], bs)
+            attn = attn.bind(build_batch_meta([(t, t.num_tokens - 1, 1) for t in tables], bs))
             logits = model(torch.tensor(nxt), torch.tensor([t.num_tokens - 1 for t in tables]), attn, logits_rows=torch.arange(len(tables)))
             out.append(logits)
             fed.append(nxt)
@@ -148,11 +148,11 @@ def test_one_call_takes_a_sequences_several_rows(model_dir, tokenizer):
             t.append_slots(len(ids))
             tables.append(t)
             if ids:
-                attn.meta = build_batch_meta([(t, 0, len(ids))], 4)
+                attn = attn.bind(build_batch_meta([(t, 0, len(ids))], 4))
                 step(torch.tensor(ids), torch.arange(len(ids)), attn, logits_rows=torch.tensor([len(ids) - 1]))
         assert step.timings.sum() == 0
         for t, ids in zip(tables, new): t.append_slots(len(ids))
-        attn.meta = build_batch_meta([(t, len(c), len(n)) for t, c, n in zip(tables, cached, new)], 4)
+        attn = attn.bind(build_batch_meta([(t, len(c), len(n)) for t, c, n in zip(tables, cached, new)], 4))
         positions = torch.cat([torch.arange(len(c), len(c) + len(n)) for c, n in zip(cached, new)])
         got = step(torch.tensor(sum(new, [])), positions, attn).split([len(n) for n in new])
         assert step.timings.sum() > 0  # one call
@@ -164,7 +164,7 @@ def test_one_call_takes_a_sequences_several_rows(model_dir, tokenizer):
             ft = BlockTable(fresh.allocator)
             ft.append_slots(len(full))
             prefill = PagedAttention(fresh)
-            prefill.meta = build_batch_meta([(ft, 0, len(full))], 4)
+            prefill = prefill.bind(build_batch_meta([(ft, 0, len(full))], 4))
             reference(full, torch.arange(len(full)), prefill)
             for got_kv, want_kv in zip(kv_of(cache, t, len(full)), kv_of(fresh, ft, len(full))):
                 assert (got_kv - want_kv).abs().max() <= 1e-4
@@ -219,10 +219,10 @@ def test_one_call_step_is_deterministic(model_dir, tokenizer):
             t = BlockTable(cache.allocator)
             t.append_slots(len(ids))
             tables.append(t)
-            attn.meta = build_batch_meta([(t, 0, len(ids))], 4)
+            attn = attn.bind(build_batch_meta([(t, 0, len(ids))], 4))
             model(torch.tensor(ids), torch.arange(len(ids)), attn)
         for t in tables: t.append_slots(1)
-        attn.meta = build_batch_meta([(t, t.num_tokens - 1, 1) for t in tables], 4)
+        attn = attn.bind(build_batch_meta([(t, t.num_tokens - 1, 1) for t in tables], 4))
         tokens, positions = torch.tensor([1, 2, 3]), torch.tensor([t.num_tokens - 1 for t in tables])
         threads, first = torch.get_num_threads(), None
         try:

@@ -270,7 +270,11 @@ def test_unrolled_training_step_is_the_run_time_guess(plain, tiny_head):
 def test_train_eagle_tiny_writes_a_folder_that_loads(model_dir, plain, tmp_path, capsys):
     out = tmp_path / "head"
     assert cli_main(["train-eagle", str(model_dir), str(out), "--schedule", "tiny"]) in (0, None)
-    assert "wrote" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "wrote" in printed.out
+    # tqdm's bars with their time estimates: the answers written, then the training steps ("4/4 [...<00:00")
+    assert "training the head" in printed.err and "4/4" in printed.err and "<" in printed.err, printed.err
+    assert "prompts" in printed.err
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["EagleHead"] and config["eagle"]["learning_curve"]
     head = load_head(out, plain.model)

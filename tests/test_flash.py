@@ -112,7 +112,7 @@ def _generate(model, prompt_ids, n_new, attn_cls, block_size=4, blocks=(5, 2, 7,
     cache = PagedKVCache(model.cfg, 8, block_size, model.dtype, dev)
     attn, new, done, out = attn_cls(cache), list(prompt_ids), 0, []
     for _ in range(n_new):
-        attn.meta = build_batch_meta([(list(blocks), done, len(new))], block_size, device=dev)
+        attn = attn.bind(build_batch_meta([(list(blocks), done, len(new))], block_size, device=dev))
         with torch.inference_mode():
             logits = model(torch.tensor(new, device=dev), torch.arange(done, done + len(new), device=dev), attn, logits_rows=[-1])
         out.append(int(logits[0].argmax())); done += len(new); new = [out[-1]]

@@ -272,7 +272,7 @@ def test_cpu_kernel_reads_int8(dtype, tol, fused_rows):
     outs = []
     # the kernel's call stores the new K/V too; the reference writes them again
     for cls in (QuantizedCpuAttention, PagedAttention):
-        a = cls(cache); a.meta = build_batch_meta([(t, n - 1, 1) for t, n in zip(tables, lens)], 16)
+        a = cls(cache).bind(build_batch_meta([(t, n - 1, 1) for t, n in zip(tables, lens)], 16))
         outs.append(a(1, q, k, v).float())
     assert torch.isfinite(outs[0]).all() and torch.allclose(*outs, atol=tol), (outs[0] - outs[1]).abs().max()
 
@@ -404,7 +404,7 @@ def test_int4_paged_attention_equals_the_position_rule_reference(chunks, dtype, 
     for c in chunks:
         step = [(j, min(c, n - start)) for j, n in enumerate(lens) if n > start]
         for j, n in step: tables[j].append_slots(n)
-        attn.meta = build_batch_meta([(tables[j], start, n) for j, n in step], 4)
+        attn = attn.bind(build_batch_meta([(tables[j], start, n) for j, n in step], 4))
         cat = lambda x: torch.cat([x[j, start:start + n] for j, n in step]).to(dtype)
         out = attn(0, cat(qs), cat(ks), cat(vs)).float()
         for (j, _), piece in zip(step, out.split([n for _, n in step])): outs[j].append(piece)
@@ -467,13 +467,13 @@ def triton_int4_decode_case(dtype, device, lens, H=2, Hq=6, D=16, bs=4, seed=0):
         for s in range(0, n - 1, 3):  # the prompt, in chunks of 3 (chapter 03's path)
             e = min(s + 3, n - 1)
             t.append_slots(e - s)
-            ref_attn.meta = build_batch_meta([(t, s, e - s)], bs, device)
+            ref_attn = ref_attn.bind(build_batch_meta([(t, s, e - s)], bs, device))
             ref_attn(0, torch.zeros(e - s, Hq, D, dtype=dtype, device=device), k[s:e].to(device, dtype),
                      v[s:e].to(device, dtype))
     for t in tables: t.append_slots(1)
     q = torch.randn(len(lens), Hq, D, generator=g)
     attn = attention_backend("triton", cache)
-    attn.meta = build_batch_meta([(t, n - 1, 1) for t, n in zip(tables, lens)], bs, device)
+    attn = attn.bind(build_batch_meta([(t, n - 1, 1) for t, n in zip(tables, lens)], bs, device))
     out = attn(0, q.to(device, dtype), torch.stack([k[-1] for k in ks]).to(device, dtype),
                torch.stack([v[-1] for v in vs]).to(device, dtype))
     r = lambda x: x.to(dtype).float()  # the reference reads what was stored: K and V rounded to the pool's dtype
@@ -521,7 +521,7 @@ def test_triton_backend_reads_quantized_pools_like_the_reference(kv_dtype):
         attn, rows, outs[backend] = attention_backend(backend, cache), iter(data), []
         for step in steps:
             for j, _, n in step: tables[j].append_slots(n)
-            attn.meta = build_batch_meta([(tables[j], start, n) for j, start, n in step], 4)
+            attn = attn.bind(build_batch_meta([(tables[j], start, n) for j, start, n in step], 4))
             q, k, v = (torch.cat(x) for x in zip(*[next(rows) for _ in step]))
             outs[backend].append(attn(0, q, k, v))
     for step, ref, out in zip(steps, outs["torch"], outs["triton"]):

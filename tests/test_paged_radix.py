@@ -123,7 +123,8 @@ def test_paged_attention_matches_contiguous_attention(lens, q_lens, decode_group
         if len(slots): cache.store(0, slots, k[:n - nq], v[:n - nq])
         seqs.append((tables[-1], n - nq, nq)); ks.append(k); vs.append(v); qs.append(q)
     attn = PagedAttention(cache)
-    attn.decode_group, attn.meta = decode_group, build_batch_meta(seqs, bs)
+    attn.decode_group = decode_group
+    attn = attn.bind(build_batch_meta(seqs, bs))
     new_k, new_v = torch.cat([k[n - nq:] for k, n, nq in zip(ks, lens, q_lens)]), torch.cat([v[n - nq:] for v, n, nq in zip(vs, lens, q_lens)])
     out = attn(0, torch.cat(qs), new_k, new_v)
     ref = torch.cat([attend(q, dequantized_keys(k, kv_dtype), dequantized(v, kv_dtype))

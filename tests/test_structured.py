@@ -182,13 +182,13 @@ def test_speculative_decoding_checks_guesses_against_the_constraint(llm, model_d
     # the KV bookkeeping, checked directly: every position a sequence counts as computed holds the KV of its token
     fed, prepare = {}, spec.engine.runner.prepare
     def recording_prepare(batch):  # the tokens the pass runs, at the positions whose KV they write
-        tokens, positions, rows = prepare(batch)
+        tokens, positions, meta, rows = prepare(batch)
         at = 0
         for s, n in batch:
             for i, t in enumerate(tokens[at:at + n].tolist()):
                 fed.setdefault(s.id, {})[s.num_computed + i] = t
             at += n
-        return tokens, positions, rows
+        return tokens, positions, meta, rows
     spec.engine.runner.prepare = recording_prepare
     seqs = spec.add_request(schema_prompt, SamplingParams(max_tokens=40, structured_outputs={"json": short}), raw=True)
     while not seqs[0].finished:
