@@ -94,7 +94,8 @@ def run(name, url, replica_urls, workload, tag, time_scale):
 
 def table(rows):
     fmt = lambda v, unit="": "-" if v is None else f"{v * 1000:.0f} ms" if unit == "ms" else f"{v:.1f}"
-    header = "| system | prefix-cache hit rate per replica | TTFT p50 | TTFT p99 | TPOT p50 | tokens/s | turns (failed) |"
+    header = ("| system | prefix-cache hit rate per replica | TTFT p50 | TTFT p99 | TPOT p50 | tokens/s "
+              "| turns (failed) |")
     lines = [header, "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         hits = ", ".join(f"{h:.0%}" for h in r["hit_rates"])
