@@ -52,8 +52,10 @@ docs-fresh: install
 chromium:
 	bash tools/install_chromium.sh
 
+# --dist loadgroup: the tests of one `xdist_group` run in one worker, in file order (tests/test_cluster.py's share
+# one cluster of model processes, and end by stopping it); the others are spread as usual
 test-py: install docs-fresh chromium
-	$(INTERPRET_IF_NO_CUDA) $(BIN)/pytest -q -n 2 tests
+	$(INTERPRET_IF_NO_CUDA) $(BIN)/pytest -q -n 2 --dist loadgroup tests
 
 test: sync-check test-notebooks test-py
 
@@ -71,6 +73,7 @@ bench: install peers
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python benchmarks/bench_speculative.py --repeats 3 --record
 	$(BIN)/python benchmarks/bench_tp.py --record
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python benchmarks/bench_structured.py --rounds 5
+	$(BIN)/python benchmarks/bench_cluster.py --record
 
 bench-kernels: install
 	@for f in kernels/*.py; do echo "== $$f"; $(BIN)/python $$f || exit 1; done

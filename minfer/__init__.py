@@ -11,7 +11,7 @@ import importlib
 # constraints, subcommands, and the switches each chapter adds to the engine's config.
 CHAPTERS = ("model", "roofline", "naive", "kvcache", "sampling", "sequence", "sequential", "paged", "radix", "flash",
             "cpu_kernels", "cpu_step", "scheduler", "engine", "llm", "serve", "cli", "awq", "kvquant", "speculative",
-            "eagle", "disagg", "families", "moe", "tp", "structured")
+            "eagle", "disagg", "families", "moe", "tp", "cluster", "structured")
 PUBLIC = {"LLM": "llm", "RequestOutput": "llm", "Completion": "llm", "SamplingParams": "sampling"}
 
 
