@@ -30,9 +30,9 @@ if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
 import triton
 import triton.language as tl
 
-from .model import (DTYPES, Llama, ModelConfig, NoCache, PackedCausal, PackedLinear, Registry,
-                          RotaryEmbedding, Tokenizer, WeightFormat, can_pack, data_dir, check_model_folder,
-                          load_model, register_weight_format, make_rope, check_behaviours)
+from .model import (DTYPES, QUANT_METHODS, Llama, ModelConfig, NoCache, PackedCausal, PackedLinear,
+                          Registry, RotaryEmbedding, Tokenizer, WeightFormat, can_pack, data_dir,
+                          check_model_folder, load_model, register_weight_format, make_rope, check_behaviours)
 from .roofline import DTYPE_BYTES, param_counts
 from .cpu_kernels import build_cpu_kernels, load_kernels, _kernel
 from .cpu_step import CPU_STEP_SOURCE, STEP_CXX_FLAGS, openmp_runtimes, _STEP_ARGS
@@ -812,6 +812,7 @@ def _vllm_quantization(value):
     return dict(weights="awq-int4")
 
 VLLM_ARGUMENTS.register("quantization", _vllm_quantization)
+QUANT_METHODS.register("awq", "weights='awq-int4' (chapter 08)")
 
 @dataclass(frozen=True)
 class QuantizeMethod:

@@ -25,7 +25,8 @@ if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
 import triton
 import triton.language as tl
 
-from .model import DTYPES, WeightFormat, check_behaviours, load_model, register_weight_format
+from .model import (DTYPES, QUANT_METHODS, WeightFormat, check_behaviours, load_model,
+                          register_weight_format)
 from .roofline import DTYPE_BYTES, DTYPE_PEAKS
 from .cpu_kernels import build_cpu_kernels, load_kernels, _kernel
 from .cpu_step import CPU_STEP_SOURCE, STEP_CXX_FLAGS, openmp_runtimes, _STEP_ARGS
@@ -642,6 +643,9 @@ def _format_writer(name):
 def _scale_arguments(parser):
     parser.add_argument("--scales", default="channel", choices=("tensor", "channel"),
                         help="fp8: one scale per tensor or per output row")
+
+QUANT_METHODS.register("compressed-tensors", "weights='fp8' or 'nvfp4' (chapter 08b)")
+QUANT_METHODS.register("mxfp4", "weights='mxfp4' (chapter 08b)")
 
 QUANTIZE_METHODS.register("fp8", QuantizeMethod(
     _format_writer("fp8"), "8-bit float weights (compressed-tensors)", _scale_arguments))
