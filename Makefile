@@ -71,6 +71,7 @@ bench: install peers
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python benchmarks/bench_speculative.py --repeats 3 --record
 	$(BIN)/python benchmarks/bench_tp.py --record
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python benchmarks/bench_structured.py --rounds 5
+	$(BIN)/python benchmarks/bench_formats.py --record
 
 bench-kernels: install
 	@for f in kernels/*.py; do echo "== $$f"; $(BIN)/python $$f || exit 1; done
