@@ -181,7 +181,7 @@ class Fp8Linear(ScaledLinear):
 
     @staticmethod
     def checkpoint_tensors(weight, strategy="channel"):
-        "The checkpoint tensors of a dense weight [out, in]: the scale maps the largest |w| (of the tensor, or row) to 448."
+        "A dense weight [out, in] as checkpoint tensors: the scale maps the tensor's (or row's) largest |w| to 448."
         if strategy not in ("tensor", "channel"):
             raise ValueError(f"fp8 strategy {strategy!r} is not supported; use 'tensor' or 'channel'")
         w = weight.float()
@@ -345,7 +345,8 @@ static void row_dots(const uint8_t* q, const uint8_t* gs, const float* x, int64_
     if (FMT == FMT_MXFP4) {
       s = _mm512_set1_ps(F::scale(gs[b]));
     } else {  // two groups of 16 per block: lanes 0-7 hold inputs 0-15, lanes 8-15 inputs 16-31
-      s = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(F::scale(gs[2 * b])), _mm512_set1_ps(F::scale(gs[2 * b + 1])));
+      const __m512 first = _mm512_set1_ps(F::scale(gs[2 * b])), second = _mm512_set1_ps(F::scale(gs[2 * b + 1]));
+      s = _mm512_mask_blend_ps(0xFF00, first, second);
     }
     const __m512 even = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(c, low4), table), s);
     const __m512 odd = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), table), s);
@@ -383,7 +384,10 @@ void scaled_matmul(const void* W, const T* x, T* y, int64_t rows, int64_t n_in, 
   const uint8_t* row_scales = group_scales + (F::group ? n_out * n_in / F::group : 0);
   std::vector<float> xf(rows * n_in);
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t i = 0; i < n_in; ++i) xf[r * n_in + (F::per_byte == 1 ? i : fp4_order(i))] = Num<T>::load(x[r * n_in + i]);
+    for (int64_t i = 0; i < n_in; ++i) {
+      const int64_t at = F::per_byte == 1 ? i : fp4_order(i);
+      xf[r * n_in + at] = Num<T>::load(x[r * n_in + i]);
+    }
 #pragma omp parallel for schedule(static)
   for (int64_t o = 0; o < n_out; ++o) {
     float row_scale;
@@ -421,7 +425,7 @@ FORMAT_NAMES = ("fp8", "mxfp4", "nvfp4")
 
 @functools.cache
 def format_cpu_kernels():
-    "This chapter's compiled kernels (built on first use): `{(name, dtype): function}`, matmul_<format>, decode_step_<format>."
+    "This chapter's kernels, built on first use: `{(name, dtype): function}`, matmul_ and decode_step_<format>."
     signatures = {f"matmul_{name}": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 for name in FORMAT_NAMES}
     signatures.update({f"decode_step_{name}": _STEP_ARGS for name in FORMAT_NAMES})
     entries = load_kernels(build_cpu_kernels(FORMAT_CPU_SOURCE, flags=STEP_CXX_FLAGS), signatures)
