@@ -6,16 +6,19 @@ Docs: https://minfer.github.io/minfer/awq.html.md"""
 
 # %% auto #0
 __all__ = ['AWQ_BITS', 'MAX_Q', 'AWQ_ORDER', 'AWQ_REVERSE_ORDER', 'PROJECTIONS', 'AWQ_CPU_SOURCE', 'TOKENIZER_FILES', 'SUPPORTED',
-           'AWQ_PATH', 'quantize_groups', 'dequantize_groups', 'fake_quantize', 'text_path', 'calibration_ids',
-           'capture_inputs', 'calibration_start', 'search_scale', 'search_clip', 'apply_clip', 'awq_transform',
-           'pack_awq_int4', 'unpack_awq_int4', 'pack_awq', 'dequantize_awq', 'pack_q4x8', 'awq_cpu_kernels',
-           'awq_cpu_available', 'matmul_q4x8', 'AWQLinear', 'fuse_awq', 'awq_gemm', 'quantization_config',
-           'quantize_model_tensors', 'quantize_folder', 'is_awq_folder', 'check_awq_config', 'load_awq_model',
-           'awq_bytes_per_token', 'run_quantize', 'perplexity']
+           'AWQ_PATH', 'QUANTIZE_METHODS', 'quantize_groups', 'dequantize_groups', 'fake_quantize', 'text_path',
+           'calibration_ids', 'capture_inputs', 'calibration_start', 'search_scale', 'search_clip', 'apply_clip',
+           'awq_transform', 'pack_awq_int4', 'unpack_awq_int4', 'pack_awq', 'dequantize_awq', 'pack_q4x8',
+           'awq_cpu_kernels', 'awq_cpu_available', 'matmul_q4x8', 'AWQLinear', 'fuse_awq', 'awq_gemm',
+           'quantization_config', 'checkpoint_projections', 'dense_checkpoint_tensors', 'quantize_model_tensors',
+           'quantize_folder', 'is_awq_folder', 'check_awq_config', 'load_projections', 'load_awq_model',
+           'awq_bytes_per_token', 'QuantizeMethod', 'run_quantize', 'perplexity']
 
 # %% ../nbs/08_awq.ipynb #9cda7a9a
 import ctypes, functools, json, math, os, shutil, sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -27,9 +30,9 @@ if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
 import triton
 import triton.language as tl
 
-from .model import (DTYPES, Llama, ModelConfig, NoCache, PackedCausal, PackedLinear, RotaryEmbedding,
-                          Tokenizer, WeightFormat, can_pack, data_dir, check_model_folder, load_model,
-                          register_weight_format, make_rope, check_behaviours)
+from .model import (DTYPES, QUANT_METHODS, Llama, ModelConfig, NoCache, PackedCausal, PackedLinear,
+                          Registry, RotaryEmbedding, Tokenizer, WeightFormat, can_pack, data_dir,
+                          check_model_folder, load_model, register_weight_format, make_rope, check_behaviours)
 from .roofline import DTYPE_BYTES, param_counts
 from .cpu_kernels import build_cpu_kernels, load_kernels, _kernel
 from .cpu_step import CPU_STEP_SOURCE, STEP_CXX_FLAGS, openmp_runtimes, _STEP_ARGS
@@ -636,25 +639,40 @@ def quantization_config(group_size):
 
 def _split_rows(weight, sizes): return torch.split(weight, sizes, dim=0)
 
-@torch.no_grad()
-def quantize_model_tensors(model, group_size=64):
-    "The safetensors dict of an AWQ GEMM checkpoint of `model` (its current weights quantised with RTN)."
-    cfg, tensors = model.cfg, {}
-    half = lambda t: t.detach().to(torch.float16).contiguous()
-    tensors["model.embed_tokens.weight"] = half(model.embed_tokens.weight)
-    tensors["model.norm.weight"] = half(model.norm.weight)
-    if not cfg.tie_word_embeddings: tensors["lm_head.weight"] = half(model.lm_head.weight)
+def checkpoint_projections(model):
+    """{checkpoint name: weight [out, in]} of every layer's projections, the fused ones split back into the
+    checkpoint's q, k, v, gate and up (`model.layers.N.self_attn.q_proj`, ...): what a quantized folder stores."""
+    cfg, weights = model.cfg, {}
     for i, layer in enumerate(model.layers):
         p, a, m = f"model.layers.{i}.", layer.self_attn, layer.mlp
         q_rows, kv_rows = a.n_q * a.d, a.n_kv * a.d
-        weights = dict(zip(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-                           _split_rows(a.qkv_proj.weight, [q_rows, kv_rows, kv_rows])))
-        weights.update(zip(("mlp.gate_proj", "mlp.up_proj"), _split_rows(m.gate_up_proj.weight, cfg.intermediate_size)))
-        weights["self_attn.o_proj"], weights["mlp.down_proj"] = a.o_proj.weight, m.down_proj.weight
-        for name, w in weights.items():
-            for k, t in pack_awq(*quantize_groups(w, group_size)).items(): tensors[f"{p}{name}.{k}"] = t
-        tensors[p + "input_layernorm.weight"] = half(layer.input_layernorm.weight)
-        tensors[p + "post_attention_layernorm.weight"] = half(layer.post_attention_layernorm.weight)
+        qkv = _split_rows(a.qkv_proj.weight, [q_rows, kv_rows, kv_rows])
+        weights.update({f"{p}self_attn.{n}_proj": w for n, w in zip("qkv", qkv)})
+        weights[f"{p}self_attn.o_proj"] = a.o_proj.weight
+        gate_up = _split_rows(m.gate_up_proj.weight, cfg.intermediate_size)
+        weights.update({f"{p}mlp.{n}_proj": w for n, w in zip(("gate", "up"), gate_up)})
+        weights[f"{p}mlp.down_proj"] = m.down_proj.weight
+    return weights
+
+def dense_checkpoint_tensors(model, dtype=torch.float16):
+    "The tensors a quantized folder keeps dense, in `dtype`: embedding, norms and (untied) LM head."
+    dense = lambda t: t.detach().to(dtype).contiguous()
+    tensors = {"model.embed_tokens.weight": dense(model.embed_tokens.weight),
+               "model.norm.weight": dense(model.norm.weight)}
+    if not model.cfg.tie_word_embeddings:
+        tensors["lm_head.weight"] = dense(model.lm_head.weight)
+    for i, layer in enumerate(model.layers):
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            tensors[f"model.layers.{i}.{n}.weight"] = dense(getattr(layer, n).weight)
+    return tensors
+
+@torch.no_grad()
+def quantize_model_tensors(model, group_size=64):
+    "The safetensors dict of an AWQ GEMM checkpoint of `model` (its current weights quantised with RTN)."
+    tensors = dense_checkpoint_tensors(model)
+    for name, w in checkpoint_projections(model).items():
+        for k, t in pack_awq(*quantize_groups(w, group_size)).items():
+            tensors[f"{name}.{k}"] = t
     return tensors
 
 def quantize_folder(src, dst, method="awq", group_size=64, n_samples=16, seq_len=512, calibration_text=None, log=None,
@@ -708,26 +726,25 @@ def check_awq_config(folder):
     return found["group_size"]
 
 # %% ../nbs/08_awq.ipynb #c1357f82
-def load_awq_model(folder, dtype="float32", device="cpu"):
-    """Load an AWQ GEMM checkpoint (minfer's `quantize_folder` or AutoAWQ's, Llama family) as a `Llama` whose
-    projections are `AWQLinear` (q/k/v and gate/up fused). Embedding, norms and LM head are dense, in `dtype`; in bf16
-    on a CPU the LM head is also packed in fp32 for steps of several rows, as in a dense bf16 model."""
+def load_projections(folder, dtype, device, projection, fuse, path):
+    """A `Llama` from a quantized folder (Llama family) whose projections are modules of a weight format: for each
+    layer, `projection(name, take)` builds one from the checkpoint tensors of `name` (`model.layers.N.mlp.down_proj`;
+    `take(tensor name)` pops one, or raises naming it), and `fuse(parts)` joins q/k/v and gate/up into one module.
+    Embedding, norms and LM head are dense, in `dtype`; in bf16 on a CPU the LM head is also packed in fp32 for steps
+    of several rows, as in a dense bf16 model. `path`: the format's behaviours path (`check_behaviours`). Refuses to
+    finish while a checkpoint tensor is unused."""
     if dtype not in DTYPES: raise ValueError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
     folder = Path(folder)
     cfg = ModelConfig.from_folder(folder)
-    group_size = check_awq_config(folder)
-    check_behaviours(cfg, AWQ_PATH)
+    check_behaviours(cfg, path)
     sd = {}
     for f in sorted(folder.glob("*.safetensors")):
         with safe_open(f, framework="pt") as st:
             for k in st.keys(): sd[k] = st.get_tensor(k)
     def take(name):
         if name not in sd:
-            raise ValueError(f"{folder}: tensor {name!r} is missing; an AWQ GEMM checkpoint has qweight, qzeros and "
-                             f"scales for every q/k/v/o/gate/up/down projection ({SUPPORTED})")
+            raise ValueError(f"{folder}: tensor {name!r} is missing from the safetensors files ({path})")
         return sd.pop(name)
-    def awq(prefix):
-        return AWQLinear(take(prefix + ".qweight"), take(prefix + ".qzeros"), take(prefix + ".scales"), group_size)
     with torch.device("meta"): model = Llama(cfg)
     dense = {"embed_tokens.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
     if not cfg.tie_word_embeddings: dense["lm_head.weight"] = take("lm_head.weight")
@@ -736,21 +753,32 @@ def load_awq_model(folder, dtype="float32", device="cpu"):
         for n in ("input_layernorm", "post_attention_layernorm"):
             dense[f"layers.{i}.{n}.weight"] = take(p + n + ".weight")
         a, m = layer.self_attn, layer.mlp
-        a.qkv_proj = fuse_awq([awq(p + f"self_attn.{n}_proj") for n in "qkv"])
-        a.o_proj = awq(p + "self_attn.o_proj")
-        m.gate_up_proj = fuse_awq([awq(p + "mlp.gate_proj"), awq(p + "mlp.up_proj")])
-        m.down_proj = awq(p + "mlp.down_proj")
+        a.qkv_proj = fuse([projection(p + f"self_attn.{n}_proj", take) for n in "qkv"])
+        a.o_proj = projection(p + "self_attn.o_proj", take)
+        m.gate_up_proj = fuse([projection(p + "mlp.gate_proj", take), projection(p + "mlp.up_proj", take)])
+        m.down_proj = projection(p + "mlp.down_proj", take)
+    if sd:
+        raise ValueError(f"{folder}: {len(sd)} checkpoint tensors would be left unused "
+                         f"({', '.join(sorted(sd)[:3])}{', ...' if len(sd) > 3 else ''}) by {path}")
     model.load_state_dict({k: v.to(DTYPES[dtype]) for k, v in dense.items()}, strict=False, assign=True)
     if cfg.tie_word_embeddings: model.lm_head.weight = model.embed_tokens.weight
     model = make_rope(model).to(device).eval().requires_grad_(False)
     if model.dtype == torch.bfloat16 and can_pack(dtype, device):
         # as chapter 00a's `pack_weights` does for a dense bf16 model: steps of several rows run in fp32 activations
         # (bf16 attention and conversions cost more than fp32 arithmetic on a CPU), their projections by
-        # `matmul_q4x8`, which takes fp32 rows as well, and their LM head by oneDNN's packed fp32 copy
+        # the format's CPU kernel, which takes fp32 rows as well, and their LM head by oneDNN's packed fp32 copy
         model.lm_head = PackedLinear(model.lm_head.weight)
         if cfg.tie_word_embeddings: model.lm_head.weight = model.embed_tokens.weight
         model.wide_dtype = torch.float32
     return model
+
+def load_awq_model(folder, dtype="float32", device="cpu"):
+    """Load an AWQ GEMM checkpoint (minfer's `quantize_folder` or AutoAWQ's, Llama family) as a `Llama` whose
+    projections are `AWQLinear` (q/k/v and gate/up fused), by `load_projections`."""
+    group_size = check_awq_config(folder)
+    def awq(prefix, take):
+        return AWQLinear(take(prefix + ".qweight"), take(prefix + ".qzeros"), take(prefix + ".scales"), group_size)
+    return load_projections(folder, dtype, device, awq, fuse_awq, AWQ_PATH)
 
 def awq_bytes_per_token(cfg, group_size=64, dtype="bfloat16"):
     """Weight bytes one decode step reads with AWQ projections: 4-bit codes, fp16 scales and 4-bit zeros per group,
@@ -784,22 +812,47 @@ def _vllm_quantization(value):
     return dict(weights="awq-int4")
 
 VLLM_ARGUMENTS.register("quantization", _vllm_quantization)
+QUANT_METHODS.register("awq", "weights='awq-int4' (chapter 08)")
+
+@dataclass(frozen=True)
+class QuantizeMethod:
+    """One `minfer quantize --method`: `write(src, dst, args)` writes the quantized folder `dst` of the model folder
+    `src` (args: the parsed command line) and returns it; `arguments(parser)` adds the method's own options."""
+    write: Callable
+    help: str
+    arguments: Callable = lambda parser: None
+
+# the methods `minfer quantize` offers: this chapter's two, and a later chapter's formats
+QUANTIZE_METHODS = Registry("quantize --method", QuantizeMethod)
+
+def _awq_write(method):
+    "`quantize_folder` as a `QuantizeMethod.write` (each layer's line above the progress bar, both on stderr)."
+    def write(src, dst, a):
+        return quantize_folder(src, dst, method=method, group_size=a.group_size,
+                               log=lambda line: tqdm.write(line, file=sys.stderr), progress=True)
+    return write
+
+QUANTIZE_METHODS.register("awq", QuantizeMethod(_awq_write("awq"), "AWQ's scale search, then int4 rounding"))
+QUANTIZE_METHODS.register("rtn", QuantizeMethod(_awq_write("rtn"), "int4 round to nearest"))
 
 def _quantize_args(p):
     p.add_argument("src", help="Hugging Face model folder to quantize")
-    p.add_argument("dst", help="folder to write, in AutoAWQ's GEMM format")
-    p.add_argument("--method", default="awq", choices=("awq", "rtn"), help="AWQ's scale search, or plain rounding")
-    p.add_argument("--group-size", type=int, default=64, help="inputs per scale and zero point (576 = 9 x 64)")
+    p.add_argument("dst", help="folder to write, in the method's checkpoint format")
+    methods = "; ".join(f"{name}: {m.help}" for name, m in QUANTIZE_METHODS.items())
+    p.add_argument("--method", default="awq", choices=tuple(QUANTIZE_METHODS), help=methods)
+    p.add_argument("--group-size", type=int, default=64,
+                   help="awq, rtn: inputs per scale and zero point (576 = 9 x 64)")
+    for method in QUANTIZE_METHODS.values():
+        method.arguments(p)
 
 def run_quantize(a):
-    # each layer's line is written above the progress bar (tqdm.write), both on stderr
-    out = quantize_folder(check_model_folder(a.src), a.dst, method=a.method, group_size=a.group_size,
-                          log=lambda line: tqdm.write(line, file=sys.stderr), progress=True)
+    out = QUANTIZE_METHODS[a.method].write(check_model_folder(a.src), a.dst, a)
     print(f"wrote {out}: load it with LLM({str(out)!r}) or minfer generate --model {out}")
 
 # `minfer quantize SRC DST`, a subcommand of chapter 07c's command line
 COMMANDS.register("quantize", Command(
-    "write an AWQ (or round-to-nearest) int4 copy of a model folder (chapter 08)", _quantize_args, run_quantize))
+    "write a quantized copy of a model folder (chapter 08: AWQ int4; --method lists every format)",
+    _quantize_args, run_quantize))
 
 # %% ../nbs/08_awq.ipynb #d382bb9b
 @torch.no_grad()

@@ -6,9 +6,9 @@ Docs: https://minfer.github.io/minfer/model.html.md"""
 
 # %% auto #0
 __all__ = ['DTYPES', 'GGUF_PACKAGE', 'GGUF_FILE', 'MODEL_FAMILIES', 'ROPE_SCALINGS', 'HF_ACTIVATIONS', 'ACTIVATIONS',
-           'BEHAVIOURS', 'RUN_BY', 'MLP_KINDS', 'WEIGHT_FORMATS', 'Registry', 'definition', 'unpermute_rope',
-           'find_default_gguf', 'convert_gguf', 'source_root', 'data_dir', 'default_model_dir', 'RopeSpec',
-           'ModelConfig', 'check_model_folder', 'Family', 'rope_inv_freq', 'check_rope_type', 'rope_spec',
+           'QUANT_METHODS', 'BEHAVIOURS', 'RUN_BY', 'MLP_KINDS', 'WEIGHT_FORMATS', 'Registry', 'definition',
+           'unpermute_rope', 'find_default_gguf', 'convert_gguf', 'source_root', 'data_dir', 'default_model_dir',
+           'RopeSpec', 'ModelConfig', 'check_model_folder', 'Family', 'rope_inv_freq', 'check_rope_type', 'rope_spec',
            'refuse_unsupported', 'describe_llama', 'Behaviour', 'runs_behaviours', 'refused_behaviours',
            'check_behaviours', 'Tokenizer', 'compiled_chat_template', 'sandboxed_jinja', 'RMSNorm', 'RotaryEmbedding',
            'Attention', 'MLP', 'DecoderLayer', 'Llama', 'rope_module', 'make_rope', 'load_model', 'read_checkpoint',
@@ -345,17 +345,21 @@ def rope_spec(d, params=None):
                     long_factor=tuple(p.get("long_factor") or ()), attention_factor=p.get("attention_factor"),
                     partial_rotary_factor=float(p.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))))
 
+# the `quantization_config.quant_method`s a weight format reads: {name: what reads it}; the chapters that bring
+# quantized formats register theirs (chapter 08 AWQ's)
+QUANT_METHODS = Registry("quantization_config.quant_method")
+
 def refuse_unsupported(d):
-    "One line for what a `config.json` asks that no decoder here runs: a vision tower, a quantization other than AWQ."
+    "One line for what a `config.json` asks that no decoder here runs: a vision tower, a quantization none reads."
     for key in ("vision_config", "text_config", "audio_config"):
         if key in d: raise ValueError(f"has {key}: only text decoders load here (use a text-only model's folder)")
     for p in (d.get("rope_scaling"), d.get("rope_parameters")):  # each RoPE entry a table of ROPE_SCALINGS knows
         for p in ((p or {}).values() if isinstance((p or {}).get("full_attention"), dict) else [p or {}]):
             check_rope_type("mrope" if "mrope_section" in p else p.get("rope_type", p.get("type", "default")))
     q = d.get("quantization_config")
-    if isinstance(q, dict) and str(q.get("quant_method", "")).lower() != "awq":
-        raise ValueError(f"quantization_config.quant_method {q.get('quant_method')!r} is not supported (AWQ only, "
-                         "chapter 08)")
+    if isinstance(q, dict) and str(q.get("quant_method", "")).lower() not in QUANT_METHODS:
+        raise ValueError(f"quantization_config.quant_method {q.get('quant_method')!r} is not supported "
+                         f"(supported: {', '.join(QUANT_METHODS) or 'none'})")
 
 def describe_llama(d):
     "Llama: RoPE (scaled as `rope_parameters` / `rope_scaling` says), optional biases on attention and on the MLP."

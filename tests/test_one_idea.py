@@ -18,7 +18,8 @@ PKG = ROOT / "minfer"
 VOCABULARY = {
     "05a_flash": ["triton", "flash"],
     "08_awq": ["awq", "int4", "q4x8", "pack_awq_int4", "group_size"],
-    "09_kvquant": ["kv_dtype", "kvquant", "int8", "fp8", "kv_quant"],
+    "08b_formats": ["fp8", "mxfp4", "nvfp4", "e2m1", "e8m0", "e4m3", "microscal", "ScaledLinear"],
+    "09_kvquant": ["kv_dtype", "kvquant", "int8", "kv_quant"],
     "10a_speculative": ["speculat", "draft", "ngram", "prompt_lookup", "proposer", "num_speculative_tokens",
                         "SPECULATORS", "accepted_tokens", "spec_judged", "spec_accepted"],
     "10b_eagle": ["eagle", "key_slots", "draft_parents", "token tree", "root_paths", "grows_trees"],
