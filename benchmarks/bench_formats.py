@@ -126,7 +126,8 @@ def main():
     if not a.no_timing:
         prompt = ids[:128].tolist()
         prompts = [ids[i * 32:i * 32 + 128].tolist() for i in range(a.requests)]
-        llms = {label: LLM(str(folders[label][0]), weights=w, dtype="float32" if label == "fp32" else "auto")
+        timing_dtype = {"fp32": "float32", "bf16": "bfloat16"}  # the formats: the dtype their step runs fastest in
+        llms = {label: LLM(str(folders[label][0]), weights=w, dtype=timing_dtype.get(label, "auto"))
                 for label, (w, _, _) in FORMATS.items()}
         rates = {label: ([], []) for label in FORMATS}
         for r in range(a.repeats):

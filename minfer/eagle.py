@@ -233,8 +233,9 @@ def train_head(head, data, steps=800, rows=8, length=192, ahead=2, lr=1e-3, ce_w
                held_out=None, eval_every=20, log=None, progress=False):
     """AdamW on the head's fc and decoder layer (the draft LM head stays fixed), warm-up then cosine decay; the loss
     sums `head_losses`' steps, step s weighted 0.8 ** (s - 1); `log` gets a line of the curve every `eval_every`
-    steps; `progress`: a bar over the steps with its time estimate. -> the learning curve: [{step, seconds, loss, reg, ce, agree, held_out_agree}] (means since
-    the previous point; agree: step 1's; held_out_agree: one per step)."""
+    steps; `progress`: a bar over the steps with its time estimate. -> the learning curve: [{step, seconds, loss,
+    reg, ce, agree, held_out_agree}] (means since the previous point; agree: step 1's; held_out_agree: one per
+    step)."""
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     params = [p for n, p in head.named_parameters() if not n.startswith("lm_head")]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))

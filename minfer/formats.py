@@ -1,4 +1,4 @@
-"""Float codes with scales: 8 bits per weight with one scale per row (FP8), 4.25 with a power of two per 32 (MXFP4), 4.5 with an 8-bit float per 16 (NVFP4), loaded from the layouts real checkpoints use.
+"""Float codes with scales (8, 4.25 and 4.5 bits per weight), loaded from the layouts real checkpoints use.
 
 Docs: https://minfer.github.io/minfer/formats.html.md"""
 

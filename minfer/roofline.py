@@ -135,8 +135,10 @@ class Device:
     def peak(self, dtype):
         """Peak FLOP/s for weights stored as `dtype`: its own units' (`flops`, or `DTYPE_PEAKS` for a later chapter's
         number formats); otherwise weights narrower than fp32 are multiplied in bfloat16."""
-        if dtype in self.flops: return self.flops[dtype]
-        if self.name in DTYPE_PEAKS.get(dtype, {}): return DTYPE_PEAKS[dtype][self.name]
+        if dtype in self.flops:
+            return self.flops[dtype]
+        if self.name in DTYPE_PEAKS.get(dtype, {}):
+            return DTYPE_PEAKS[dtype][self.name]
         widened = DTYPE_BYTES.get(dtype, 4) < 4
         return self.flops["bfloat16" if widened and "bfloat16" in self.flops else "float32"]
 
