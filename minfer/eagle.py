@@ -30,7 +30,7 @@ from .sampling import sample, sampling_probs, logprob_entries
 from .flash import split_kv_decode, load_kv_tile
 from .sequence import SamplingParams
 from fastcore.basics import patch
-from .speculative import SPECULATORS, Speculator, Draft, step_bytes
+from .speculative import SPECULATORS, Speculator, Draft, median_seconds
 from .cli import COMMANDS, Command
 from .llm import LLM
 from .cpu_step import StepLlama, cpu_step_kernels, step_call, weight_table
@@ -399,8 +399,6 @@ class EagleProposer:
                                   target.device)
         self.attn = ATTENTION_BACKENDS["torch"](self.cache)
         self.states = {}  # sequence id -> HeadState
-        # for adaptive k (chapter 10a): a head pass costs its weights' share of a target step, 31 MB of 538 in fp32
-        self.pass_cost = sum(p.numel() * p.element_size() for p in self.head.parameters()) / step_bytes(target)
         # with the target on the one-call step (kernels='step', chapter 05c) the head's layer and reduced LM head are
         # one `decode_step` call as well: ~30 PyTorch ops of Python cost more than the head's 31 MB take to read
         self.pointers = None
@@ -409,6 +407,19 @@ class EagleProposer:
             self.pointers = weight_table([self.head.layer], [w.weight.data_ptr() for w in (a.qkv_proj, a.o_proj,
                                           mlp.gate_up_proj, mlp.down_proj)], None, self.head.lm_head.weight)
             self.step_cfg = replace(self.head.cfg, vocab_size=self.head.lm_head.out_features)
+
+    def pass_seconds(self, at=200):
+        """What a pass of guessing takes on this machine (for adaptive k, chapter 10a): a one-row head pass at
+        position `at`, its blocks taken from the head's pool and given back."""
+        dev, dtype = self.head.fc.weight.device, self.head.fc.weight.dtype
+        table = BlockTable(self.cache.allocator)
+        table.append_slots(at + 1)
+        tokens, positions = torch.zeros(1, dtype=torch.long, device=dev), torch.tensor([at], device=dev)
+        features = torch.zeros(1, self.hidden, dtype=dtype, device=dev)
+        try:
+            return median_seconds(lambda: self._head([(table, at, 1)], tokens, features, positions))
+        finally:
+            table.free()
 
     def _state(self, seq):
         if seq.id not in self.states: self.states[seq.id] = HeadState(seq, self.cache.allocator)

@@ -59,8 +59,10 @@ def tiny_head(plain, tmp_path_factory):
     return str(save_head(head, tmp_path_factory.mktemp("tiny") / "h", plain.model_dir))
 
 
-def eagle(model_dir, head, k=3, **kw):
-    return LLM(model_dir, speculative={"method": "eagle", "model": head, "num_speculative_tokens": k, **kw}, **SMALL)
+def eagle(model_dir, head, k=3, adaptive=False, **kw):
+    "An engine guessing with `head`: k guesses every step unless `adaptive` (the default of a chain, tested apart)."
+    spec = {"method": "eagle", "model": head, "num_speculative_tokens": k, "adaptive": adaptive, **kw}
+    return LLM(model_dir, speculative=spec, **SMALL)
 
 
 # ---- greedy: identical to plain decoding, whatever the head ------------------------------------------------------
@@ -89,7 +91,8 @@ def test_greedy_identical_on_the_layers_path_with_prefix_cache(model_dir, plain,
     prompts = [TEXTS[0] + " one", TEXTS[0] + " two", REPEATS[2]]
     want = [o.token_ids for o in plain.generate(prompts, p, raw=True)]
     spec = LLM(model_dir, kernels="cpu", prefix_cache=True,
-               speculative={"method": "eagle", "model": tiny_head, "num_speculative_tokens": 2}, **SMALL)
+               speculative={"method": "eagle", "model": tiny_head, "num_speculative_tokens": 2, "adaptive": False},
+               **SMALL)
     assert [o.token_ids for o in spec.generate(prompts, p, raw=True)] == want
     assert [o.token_ids for o in spec.generate(prompts, p, raw=True)] == want  # now from the prefix cache
 
@@ -162,8 +165,8 @@ def test_head_reads_a_window(model_dir, plain, tiny_head, monkeypatch):
     from minfer.eagle import EagleProposer
     window = 16
     for kernels in ("step", "cpu"):
-        spec = LLM(model_dir, speculative={"method": "eagle", "model": tiny_head, "num_speculative_tokens": 2},
-                   kernels=kernels, **SMALL)
+        spec = LLM(model_dir, speculative={"method": "eagle", "model": tiny_head, "num_speculative_tokens": 2,
+                                           "adaptive": False}, kernels=kernels, **SMALL)
         seq = Sequence(plain.tokenizer.encode(PROMPTS[4]), SamplingParams(max_tokens=8, ignore_eos=True),
                        plain.tokenizer)
         spec.engine.add(seq)

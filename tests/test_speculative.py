@@ -214,11 +214,50 @@ def test_adaptive_greedy_equals_plain(model_dir):
     assert [o.token_ids for o in spec.generate(prompts, p, raw=True)] == want
 
 
+# ---- this machine's curve -------------------------------------------------------------------------------------
+def test_adaptive_k_reads_this_machines_curve_measured_once(model_dir, tmp_path, monkeypatch):
+    """The first adaptive engine measures the verify-step curve on this machine (one sequence, then 8) and keeps it
+    under data_dir(), keyed by machine and runner; the next reads it; `remeasure` and an unreadable table measure
+    again. The curve is time in one-row steps: 1 at one row, and a 72-row step costs more than a one-row one."""
+    import minfer.speculative as sp
+    monkeypatch.setenv("MINFER_HOME", str(tmp_path))
+    llm = LLM(model_dir, speculative="ngram")  # named alone: adaptive
+    spec = llm.engine.lookahead
+    assert llm.config.speculative.adaptive and spec.pass_cost == 0.0
+    table = json.loads((tmp_path / "step_times.json").read_text())
+    [(key, entry)] = table.items()
+    assert key.startswith(sp.machine_name(torch.device("cpu"))) and sp.runner_signature(llm.engine.runner) in key
+    curve = tuple(map(tuple, entry["curve"]))
+    assert spec.curve == curve and curve[0] == (1, 1.0) and [r for r, _ in curve] == [1, 2, 3, 5, 8, 16, 24, 40, 72]
+    assert curve[-1][1] > 1.5 and entry["one_row_seconds"] > 0
+    def measured(runner):
+        raise AssertionError("measured again")
+    with monkeypatch.context() as m:  # a second engine reads the table
+        m.setattr(sp, "measure_step_times", measured)
+        assert LLM(model_dir, speculative="ngram").engine.lookahead.curve == curve
+        with pytest.raises(AssertionError, match="measured again"):
+            sp.step_times(llm.engine.runner, remeasure=True)
+    (tmp_path / "step_times.json").write_text("{not json")
+    assert sp.step_times(llm.engine.runner)[0][0] == (1, 1.0)  # measured again, and the table written whole
+    assert list(json.loads((tmp_path / "step_times.json").read_text())) == [key]
+    # a fixed k measures nothing and reads the chapter's curve; a tree's budget is fixed by default
+    fixed = LLM(model_dir, speculative={"method": "ngram", "adaptive": False}).engine.lookahead
+    assert fixed.curve == sp.STEP_TIMES and not fixed.config.adaptive
+
+
+def test_a_draft_pass_costs_what_it_takes_here(model_dir):
+    "A draft model's pass, timed: the target as its own draft costs about one target step (not a byte count)."
+    llm = LLM(model_dir, speculative={"method": "draft", "model": str(model_dir), "num_speculative_tokens": 2})
+    assert 0.5 < llm.engine.lookahead.pass_cost < 2.0
+
+
 # ---- draft model -----------------------------------------------------------------------------------------------
 def test_draft_model_greedy_and_stochastic(model_dir, tokenizer):
     "The target itself as its own draft: every greedy guess is right; outputs equal decoding without speculation."
     plain = LLM(model_dir)
-    spec = LLM(model_dir, speculative={"method": "draft", "model": str(model_dir), "num_speculative_tokens": 3})
+    # a fixed k: adaptive k (the default) would rightly make no guesses with a draft that costs a whole step
+    spec = LLM(model_dir, speculative={"method": "draft", "model": str(model_dir), "num_speculative_tokens": 3,
+                                       "adaptive": False})
     p = SamplingParams(max_tokens=14, ignore_eos=True)
     prompts = [TEXTS[0], TEXTS[2], REPEATS[1]]
     got = spec.generate(prompts, p, raw=True)
@@ -232,7 +271,7 @@ def test_draft_model_greedy_and_stochastic(model_dir, tokenizer):
 # ---- the switch: values, errors, command line ------------------------------------------------------------------
 def test_config_values():
     c = EngineConfig(speculative='{"method": "ngram", "num_speculative_tokens": 2}').resolve().speculative
-    assert c == SpeculativeConfig("ngram", 2)
+    assert c == SpeculativeConfig("ngram", 2, adaptive=True)  # a chain adapts unless told not to
     assert EngineConfig(speculative="ngram").resolve().speculative.method == "ngram"
     assert EngineConfig().resolve().speculative is None
 
@@ -290,10 +329,10 @@ def test_acceptance_counts_read_the_true_rate(alpha, k):
 def test_a_probe_comes_where_the_prior_rate_would_earn_a_guess():
     """A request whose rate says no guesses is probed with one guess every 16 tokens only where a request with the
     prior rate would get that guess in this step: alone it is, in a batch of 8 on the measured curve it is not."""
-    from minfer.speculative import Speculator, PRIOR_ALPHA, Draft
+    from minfer.speculative import Speculator, PRIOR_ALPHA, Draft, STEP_TIMES
     from minfer.speculative import SpeculativeConfig
     class Recorder:
-        cheap, pass_cost = False, 0.0
+        cheap = False
         def __init__(self): self.ks = None
         def propose(self, seqs, ks):
             self.ks = ks
@@ -301,6 +340,7 @@ def test_a_probe_comes_where_the_prior_rate_would_earn_a_guess():
     def probed(batch):
         spec = Speculator.__new__(Speculator)
         spec.config, spec.proposer, spec.requests = SpeculativeConfig(method="ngram", adaptive=True), Recorder(), {}
+        spec.curve, spec.pass_cost = STEP_TIMES, 0.0  # the curve the test's numbers were worked out on
         seqs = []
         for _ in range(batch):
             s = Sequence([1, 2, 3], SamplingParams(max_tokens=64))
