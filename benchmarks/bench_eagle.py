@@ -30,15 +30,16 @@ from bench_decode import machine
 from bench_speculative import workloads
 
 CONFIGS = {"none": None, "ngram adaptive": {"method": "ngram", "num_speculative_tokens": 8, "adaptive": True},
-           **{f"eagle k={k}": {"method": "eagle", "num_speculative_tokens": k} for k in (2, 3, 4)},
+           **{f"eagle k={k}": {"method": "eagle", "num_speculative_tokens": k, "adaptive": False} for k in (2, 3, 4)},
            "eagle adaptive": {"method": "eagle", "num_speculative_tokens": 6, "adaptive": True},
            # chapter 10a's draft model: with the default target, its AWQ-int4 copy (`minfer quantize`), as large as the
            # target (the default model is the smallest of its family); left out, with a line, where that copy is missing
-           "draft k=2": {"method": "draft", "num_speculative_tokens": 2},
+           "draft k=2": {"method": "draft", "num_speculative_tokens": 2, "adaptive": False},
            "draft adaptive": {"method": "draft", "num_speculative_tokens": 4, "adaptive": True}}
 # --trees: (engine, speculative) per configuration; --layers adds LAYERS_CONFIGS on kernels='cpu', attention='torch'
 TREE_CONFIGS = {"none": ("default", None),
-                **{f"chain {n}": ("default", {"method": "eagle", "num_speculative_tokens": n}) for n in (4, 8)},
+                **{f"chain {n}": ("default", {"method": "eagle", "num_speculative_tokens": n, "adaptive": False})
+                   for n in (4, 8)},
                 **{f"{t} tree {n}": ("default", {"method": "eagle", "num_speculative_tokens": n, "tree": t})
                    for n in (4, 8) for t in ("static", "dynamic")}}
 LAYERS_CONFIGS = {"none (layers)": ("layers", None),

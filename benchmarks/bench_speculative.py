@@ -13,7 +13,7 @@ import torch
 from minfer.llm import LLM
 from minfer.model import data_dir
 from minfer.sequence import SamplingParams
-from minfer.speculative import SPECULATORS, speculative_config
+from minfer.speculative import SPECULATORS, speculative_config, step_times
 from minfer.roofline import measure_bandwidth, weight_bytes_per_step
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -44,8 +44,10 @@ def workloads():
                   "Give me some ideas for a birthday party.", "What would happen if the moon disappeared?"]
     return {"copy-heavy": copy, "open-ended": open_ended}
 
-CONFIGS = {"none": None, **{f"k={k}": {"method": "ngram", "num_speculative_tokens": k} for k in (1, 2, 4, 8)},
-           "adaptive": {"method": "ngram", "num_speculative_tokens": 8, "adaptive": True}}
+CONFIGS = {"none": None,
+           **{f"k={k}": {"method": "ngram", "num_speculative_tokens": k, "adaptive": False} for k in (1, 2, 4, 8)},
+           "adaptive": {"method": "ngram", "num_speculative_tokens": 8, "adaptive": True},
+           "default": "ngram"}  # named alone, as a user calls it: adaptive, k up to 4, on this machine's curve
 
 def run(llm, prompts, batch, params):
     "-> (generated tokens, seconds, outputs): prompts in groups of `batch`, each group one `generate` call."
@@ -101,6 +103,7 @@ def main(argv=None):
         res[w][str(b)][name] = dict(tokens_per_s=statistics.median(v), speedup=statistics.median(v) / base,
                                     per_repeat=paired, **stats[(name, w, b)])
     bw = measure_bandwidth()
+    curve, one_row = step_times(llm.engine.runner)
     floor = bw / weight_bytes_per_step(llm.model_config, "float32")
     lines = [f"# Speculative decoding (prompt lookup), medians of {a.repeats} alternating runs", "",
              f"- date: {datetime.datetime.now():%Y-%m-%d %H:%M}",
@@ -118,6 +121,8 @@ def main(argv=None):
              "weight stream",
              "- speedup: median tok/s over the plain run's median tok/s; per repeat: against the plain run of the same "
              "repeat",
+             f"- this machine's verify-step curve, which adaptive k reads (rows: time in one-row steps; one row "
+             f"{one_row * 1e3:.1f} ms): " + ", ".join(f"{r}: {t:.2f}" for r, t in curve),
              "", "| workload | batch | config | tok/s | speedup | per repeat | acceptance | tokens / target pass |",
              "|---|---|---|---|---|---|---|---|"]
     for w in work:
@@ -127,8 +132,9 @@ def main(argv=None):
                 lines.append(f"| {w} | {b} | {name} | {x['tokens_per_s']:.1f} | {x['speedup']:.2f}x | "
                              f"{', '.join(f'{r:.2f}' for r in x['per_repeat'])} | "
                              f"{x['acceptance']:.2f} | {x['tokens_per_pass']:.2f} |")
-    lines += ["", "Targets (issue 16): n-gram >= 1.5x batch-1 tokens/s on the copy-heavy workload with identical "
-              "greedy output; adaptive k never more than 5% slower than no speculation on the open-ended one."]
+    lines += ["", "Targets: n-gram >= 1.5x batch-1 tokens/s on the copy-heavy workload with identical greedy output; "
+              "the default (`speculative=\"ngram\"`, adaptive) at least 0.98x of no speculation on the open-ended one, "
+              "at batch 1 and 8."]
     report = "\n".join(lines) + "\n"
     print(report)
     if a.record:

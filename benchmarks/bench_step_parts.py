@@ -17,7 +17,7 @@ from bench_decode import machine
 from bench_speculative import workloads
 
 PARTS = ("products", "LM head", "norms", "attention", "SiLU x up")
-SPECS = {"plain": None, "eagle k=2": {"method": "eagle", "num_speculative_tokens": 2},
+SPECS = {"plain": None, "eagle k=2": {"method": "eagle", "num_speculative_tokens": 2, "adaptive": False},
          "static tree 4": {"method": "eagle", "tree": "static", "num_speculative_tokens": 4},
          "static tree 8": {"method": "eagle", "tree": "static", "num_speculative_tokens": 8}}
 

@@ -361,7 +361,7 @@ class CpuAttention(PagedAttention):
     devices, dtypes = ("cpu",), ("float32", "bfloat16")  # and a C++ compiler (`can_fuse`)
     def __call__(self, layer, q, k, v, **window_softcap):
         if window_softcap: return super().__call__(layer, q, k, v, **window_softcap)  # chapter 03's path (12a)
-        m, (k_pool, v_pool) = self.meta, (self.cache.k[layer], self.cache.v[layer])
+        m, (k_pool, v_pool) = self.bound_meta(), (self.cache.k[layer], self.cache.v[layer])
         rows_ok = q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and k.stride(0) == v.stride(0) and q.stride(1) == k.stride(1) == v.stride(1) == q.shape[-1]
         decode = m.max_seqlen_q == 1 and q.shape[0] == len(m.seq_lens)
         # fp32 activations over a bf16 pool (00a's `wide_dtype`): the float kernel takes one dtype, the pool's

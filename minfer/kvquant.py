@@ -239,7 +239,7 @@ class QuantizedCpuAttention(CpuAttention):
     """Chapter 05b's `CpuAttention` that also reads an int8 pool in one C++ call per layer (`paged_decode_q8`); every
     other step goes where 05b sends it."""
     def __call__(self, layer, q, k, v, **window_softcap):
-        m, c = self.meta, self.cache
+        m, c = self.bound_meta(), self.cache
         if window_softcap or c.k[layer].dtype != torch.int8 or m.max_seqlen_q != 1 or q.shape[0] != len(m.seq_lens):
             return super().__call__(layer, q, k, v, **window_softcap)
         c.store(layer, m.slot_mapping, k, v)  # the pool quantizes the new tokens

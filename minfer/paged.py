@@ -237,20 +237,34 @@ class PagedAttention:
     devices, dtypes = ("cpu", "cuda"), ("float32", "bfloat16", "float16")
 
     def __init__(self, cache):
-        self.cache, self.meta, self.plan, self.window_plans = cache, None, None, {}
+        self.cache, self._meta, self.plan, self.window_plans = cache, None, None, {}
 
     def bind(self, meta):
         """This backend for one step's batch `meta`: what the model takes as its `attention` for that step. The
         step's batch travels with the call, never left on the shared backend; the plans are made by the first layer
         that needs them and used by all of the step's layers."""
         step = copy.copy(self)
-        step.meta, step.plan, step.window_plans = meta, None, {}
+        step._meta, step.plan, step.window_plans = meta, None, {}
         return step
 
+    @property
+    def meta(self):
+        "The step's batch this copy was bound to (None on the backend itself, which is never called unbound)."
+        return self._meta
+
+    def bound_meta(self):
+        "The step's batch, for a call: refused in one line where the model was handed the backend itself."
+        if self._meta is None:
+            raise RuntimeError(f"{type(self).__name__} was called without a step's batch: hand the model "
+                               "backend.bind(meta), not the backend")
+        return self._meta
+
     def __call__(self, layer, q, k, v, window=None, softcap=None):
-        self.cache.store(layer, self.meta.slot_mapping, k, v)
-        if window is None and softcap is None: return self.attention(q, *self.cache.layer(layer), self.meta)
-        return self.attention_masked(q, *self.cache.layer(layer), self.meta, window, softcap)
+        meta = self.bound_meta()
+        self.cache.store(layer, meta.slot_mapping, k, v)
+        if window is None and softcap is None:
+            return self.attention(q, *self.cache.layer(layer), meta)
+        return self.attention_masked(q, *self.cache.layer(layer), meta, window, softcap)
 
     def make_plan(self, meta, bs):
         """Which rows attend to which cache slots — the same in every layer, so worked out once per step.

@@ -132,6 +132,21 @@ def test_paged_attention_matches_contiguous_attention(lens, q_lens, decode_group
     assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_an_unbound_backend_says_so_in_one_line(backend):
+    "A backend called without a step's batch (`bind(meta)`) refuses in one line naming the fix, for every backend."
+    from types import SimpleNamespace
+    from minfer.paged import attention_backend
+    cfg = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=2, head_dim=8)
+    attn = attention_backend(backend, PagedKVCache(cfg, 4, 4))
+    q, k = torch.randn(1, 2, 8), torch.randn(1, 2, 8)
+    with pytest.raises(RuntimeError, match=r"bind\(meta\)") as e:
+        attn(0, q, k, k)
+    assert "\n" not in str(e.value)
+    bound = attn.bind(build_batch_meta([([0], 0, 1)], 4))
+    assert bound(0, q, k, k).shape == q.shape and attn.meta is None  # the step's copy holds the batch, not the backend
+
+
 # ---------------------------------------------------------------- radix unit tests
 def test_radix_match_insert_split_and_evict_order():
     a = BlockAllocator(10, block_size=2)
