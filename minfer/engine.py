@@ -11,7 +11,7 @@ __all__ = ['SWITCHES', 'CONFIG_RULES', 'KERNELS', 'WORKER_ENGINES', 'ModelRunner
            'serve', 'workload_sequence', 'summarize', 'plot_gantt']
 
 # %% ../nbs/06b_engine.ipynb #eca06449
-import importlib, json, math, os, random, sys, time
+import collections, importlib, json, math, os, random, sys, time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -148,6 +148,7 @@ class ModelRunner:
 class LLMEngine:
     "Continuous batching over a paged KV pool: `add` sequences, call `step()` until `has_unfinished()` is False."
     runner_class = ModelRunner  # what does a step's work (chapter 13's engine runs a model split over processes)
+    history_steps = 10_000  # the steps `history` keeps: enough to draw a run, bounded for a server that runs for days
     def __init__(self, model, *, block_size=16, kv_cache_bytes=2**30, max_num_seqs=64, max_num_batched_tokens=256,
                  prefix_cache=False, chunked_prefill=True, attention="torch", projection_bits=None, kv_format=None):
         """attention: an `ATTENTION_BACKENDS` name (chapter 03's table); kv_format: None (K and V in the model's dtype)
@@ -157,7 +158,8 @@ class LLMEngine:
                                           kv_format or "auto", max_num_seqs)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, prefix_cache, chunked_prefill)
         self.runner = self.runner_class(model, self.cache, attention_backend(attention, self.cache), projection_bits)
-        self.history = []  # per step: (time, [(seq id, n, "prefill" | "decode")], blocks in use)
+        # per step, the newest `history_steps`: (time, [(seq id, n, "prefill" | "decode")], blocks in use)
+        self.history = collections.deque(maxlen=self.history_steps)
         self.t0 = time.perf_counter()
 
     @property

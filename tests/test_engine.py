@@ -99,6 +99,16 @@ def test_batch_equals_solo(model, tokenizer, budget, blocks, block_size, kv_dtyp
     assert eng.cache.allocator.num_free == eng.cache.num_blocks
     for _, kinds, _ in eng.history: assert sum(n for _, n, _ in kinds) <= budget
 
+def test_history_keeps_the_newest_steps_only(model, tokenizer, monkeypatch):
+    "A server steps for days: the per-step history keeps the newest `history_steps` and forgets older ones."
+    monkeypatch.setattr(LLMEngine, "history_steps", 5)
+    eng = LLMEngine(model)
+    eng.add(greedy(tokenizer.encode("Once upon a time"), 12, tokenizer))
+    run(eng)
+    assert eng.stats["steps"] > 5 and len(eng.history) == 5
+    assert [t for t, _, _ in eng.history] == sorted(t for t, _, _ in eng.history)  # the newest, in order
+
+
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_prefix_cache_hits_give_same_tokens(model, tokenizer, kv_dtype):
     eng = LLMEngine(model, max_num_batched_tokens=64, prefix_cache=True, kv_format=kv_dtype)
