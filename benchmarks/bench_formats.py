@@ -12,7 +12,7 @@ own defaults (`dtype`, `kernels="auto"`), formats alternating (A B C ... A B C),
     python benchmarks/bench_formats.py [--tokens 2048] [--out 64] [--requests 64] [--repeats 3] [--no-timing]
         [--record] [--folders DIR]
 """
-import argparse, datetime, math, statistics, sys, time
+import argparse, datetime, json, math, statistics, sys, time
 from pathlib import Path
 
 import torch
@@ -163,7 +163,11 @@ def main():
     if a.record:
         path = Path(__file__).parent / f"formats-{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d-%H%M}.md"
         path.write_text(text)
-        print("recorded", path)
+        table = {label: dict(bytes_per_token=row["bytes"], perplexity=row["quality"][0], kl=row["quality"][1],
+                             batch1_tokens_per_s=row.get("batch1"), batch64_tokens_per_s=row.get("batch64"))
+                 for label, row in rows.items()}
+        path.with_suffix(".json").write_text(json.dumps({"machine": machine(), "formats": table}, indent=1) + "\n")
+        print("recorded", path, "and", path.with_suffix(".json").name)
 
 
 if __name__ == "__main__":
