@@ -283,28 +283,31 @@ static float e4m3_value(uint8_t c) {  // sign, 4 exponent bits (bias 7), 3 manti
 }
 static float e8m0_value(uint8_t c) { return c == 255 ? NAN : std::ldexp(1.0f, (int)c - 127); }
 
-// every byte's value, computed once (C++ makes the first call's initialisation thread-safe)
-static const std::array<float, 256>& e4m3_table() {
+// every byte's value, computed once (C++ makes the first call's initialisation thread-safe): a kernel reads a scale
+// from the table, never through `std::ldexp`, a library call that costs more than the 32 weights it scales
+template <float (*VALUE)(uint8_t)> static const float* byte_table() {
   static const std::array<float, 256> table = [] {
     std::array<float, 256> t{};
-    for (int c = 0; c < 256; ++c) t[c] = e4m3_value((uint8_t)c);
+    for (int c = 0; c < 256; ++c) t[c] = VALUE((uint8_t)c);
     return t;
   }();
-  return table;
+  return table.data();
 }
+static const float* e4m3_table() { return byte_table<e4m3_value>(); }
 
+// each format's scale table (group scale code -> value); FP8 has no group scales
 template <int FMT> struct Format;
 template <> struct Format<FMT_FP8> {
   static constexpr int64_t per_byte = 1, group = 0;
-  static float scale(uint8_t) { return 1.0f; }
+  static const float* scales() { return nullptr; }
 };
 template <> struct Format<FMT_MXFP4> {
   static constexpr int64_t per_byte = 2, group = 32;
-  static float scale(uint8_t c) { return e8m0_value(c); }
+  static const float* scales() { return byte_table<e8m0_value>(); }
 };
 template <> struct Format<FMT_NVFP4> {
   static constexpr int64_t per_byte = 2, group = 16;
-  static float scale(uint8_t c) { return e4m3_table()[c]; }
+  static const float* scales() { return e4m3_table(); }
 };
 
 // where input i of a row of x sits for the 4-bit formats: per block of 32, the even inputs, then the odd ones (the
@@ -336,27 +339,30 @@ static void row_dots(const uint8_t* q, const uint8_t* gs, const float* x, int64_
     return;
   }
   // 16 bytes hold 32 inputs: lane j has input 2j in its low nibble, 2j + 1 in its high one; a 16-entry permute of
-  // E2M1's table decodes 16 codes at once
+  // E2M1's table decodes 16 codes at once. The odd inputs sum apart from the even ones: two chains of FMAs a row,
+  // so one does not wait for the other's latency
   const __m512 table = _mm512_load_ps(E2M1_TABLE);
   const __m512i low4 = _mm512_set1_epi32(15);
+  const float* scale_of = F::scales();
+  __m512 acc_odd[SCALED_ROWS];
+  for (int64_t r = 0; r < n; ++r) acc_odd[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < n_in / 32; ++b) {
     const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * b)));
     __m512 s;
     if (FMT == FMT_MXFP4) {
-      s = _mm512_set1_ps(F::scale(gs[b]));
+      s = _mm512_set1_ps(scale_of[gs[b]]);
     } else {  // two groups of 16 per block: lanes 0-7 hold inputs 0-15, lanes 8-15 inputs 16-31
-      const __m512 first = _mm512_set1_ps(F::scale(gs[2 * b])), second = _mm512_set1_ps(F::scale(gs[2 * b + 1]));
-      s = _mm512_mask_blend_ps(0xFF00, first, second);
+      s = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(scale_of[gs[2 * b]]), _mm512_set1_ps(scale_of[gs[2 * b + 1]]));
     }
     const __m512 even = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(c, low4), table), s);
     const __m512 odd = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), table), s);
     for (int64_t r = 0; r < n; ++r) {
       const float* xb = x + r * n_in + 32 * b;
       acc[r] = _mm512_fmadd_ps(even, _mm512_loadu_ps(xb), acc[r]);
-      acc[r] = _mm512_fmadd_ps(odd, _mm512_loadu_ps(xb + 16), acc[r]);
+      acc_odd[r] = _mm512_fmadd_ps(odd, _mm512_loadu_ps(xb + 16), acc_odd[r]);
     }
   }
-  for (int64_t r = 0; r < n; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+  for (int64_t r = 0; r < n; ++r) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], acc_odd[r]));
 #else
   // the definition, one weight at a time, from tables
   for (int64_t r = 0; r < n; ++r) out[r] = 0;
@@ -366,7 +372,7 @@ static void row_dots(const uint8_t* q, const uint8_t* gs, const float* x, int64_
     if (FMT == FMT_FP8) {
       w = e4m3_table()[q[i]];
     } else {
-      w = E2M1_TABLE[(q[i / 2] >> (4 * (i % 2))) & 15] * F::scale(gs[i / F::group]);
+      w = E2M1_TABLE[(q[i / 2] >> (4 * (i % 2))) & 15] * F::scales()[gs[i / F::group]];
       at = fp4_order(i);
     }
     for (int64_t r = 0; r < n; ++r) out[r] += w * x[r * n_in + at];
