@@ -13,15 +13,14 @@ __all__ = ['FP8_MAX', 'FP4_MAX', 'E2M1_VALUES', 'DECODERS', 'FORMAT_CPU_SOURCE',
            'quantize_format_folder']
 
 # %% ../nbs/08b_formats.ipynb #c80fc56d
-import ctypes, functools, json, os, shutil
+import ctypes, functools, json, shutil
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import save_file
-if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
-    os.environ["TRITON_INTERPRET"] = "1"  # no GPU: Triton's interpreter, as in chapter 05a (fp32/fp16 only)
+import minfer.flash  # chapter 05a: without a GPU, Triton's interpreter (set before any kernel below is defined)
 import triton
 import triton.language as tl
 
