@@ -193,8 +193,8 @@ void decode_step(T* x, const T* cos, const T* sin, const void* const* weights, T
     tick(2);
     Weights::matvec(weights[p + 1], h.data(), qkv.data(), rows, hidden, qkv_n, group);
     tick(0);
-    if (weights[p + 6]) add_bias<T>(qkv.data(), W(p + 6), rows, qkv_n);  // Qwen2's q/k/v biases
-    if (weights[p + 7])  // Qwen3's RMSNorm over each q head, then each k head, in place
+    if (weights[p + 6]) add_bias<T>(qkv.data(), W(p + 6), rows, qkv_n);  // q/k/v biases, where a family has them (chapter 12a)
+    if (weights[p + 7])  // an RMSNorm over each q head, then each k head, in place (chapter 12a)
       for (int64_t r = 0; r < rows; ++r) {
         T* row = qkv.data() + r * qkv_n;
         rms_norm<T>(row, nullptr, W(p + 7), row, n_q, d, eps);
@@ -291,7 +291,8 @@ class StepLlama(Llama):
     a float64 tensor of 5 zeros to have each call add the seconds it spends per part: layer matvecs, LM head, norms,
     RoPE + KV write + attention, SiLU x up. `step_kernel`: (name, kernel table) of the
     call, `decode_step` over the projections' weight format (`fuse_decode_step` sets it)."""
-    timings, max_rows, group_size, step_kernel = None, STEP_MAX_ROWS, 0, None
+    # scale_group: the inputs one scale covers in the projections' weight format (0: plain weights, no scales)
+    timings, max_rows, scale_group, step_kernel = None, STEP_MAX_ROWS, 0, None
 
     def one_call(self, tokens, attention, logits_rows):
         "Whether `decode_step` can take this forward (a sequence's several rows are causal rows: `decode_tables`)."
@@ -305,9 +306,9 @@ class StepLlama(Llama):
         x = self.embed_tokens(tokens)  # a new tensor: the residual stream, updated in place by the call
         cos, sin = self.rope.tables(positions, x.dtype, attention)
         return step_call(self.step_kernel, self.weight_pointers, self.cfg, x, cos, sin, attention,
-                               self.group_size, self.timings)
+                               self.scale_group, self.timings)
 
-def step_call(step_kernel, pointers, cfg, x, cos, sin, attention, group_size=0, timings=None):
+def step_call(step_kernel, pointers, cfg, x, cos, sin, attention, scale_group=0, timings=None):
     """One `decode_step` call: x [rows, hidden] (the rows' inputs, then their last residual stream: updated in place),
     cos, sin [rows, head dim]; `pointers` from `weight_table`, `cfg` the layers' shape (its `vocab_size`: the LM
     head's rows); `attention` a `PagedAttention` over the rows (`decode_tables` says what each reads). -> logits
@@ -319,7 +320,7 @@ def step_call(step_kernel, pointers, cfg, x, cos, sin, attention, group_size=0, 
     tables, lens, block_size = decode_tables(m, k.shape[2])  # one table per row (a tree's rows: one-slot blocks)
     logits = torch.empty(len(x), cfg.vocab_size)
     dims = (_I * 8)(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                    cfg.head_dim, cfg.num_hidden_layers, cfg.vocab_size, group_size)
+                    cfg.head_dim, cfg.num_hidden_layers, cfg.vocab_size, scale_group)
     name, table = step_kernel
     _kernel(name, x, cos, sin, k, v, table=table)(
         x.data_ptr(), cos.data_ptr(), sin.data_ptr(), pointers, k.data_ptr(), v.data_ptr(), k.stride(0),
@@ -339,10 +340,11 @@ def can_step(dtype, device):
 def fuse_decode_step(model):
     """Make `model`'s decode steps one `decode_step` call each (the class switches to `StepLlama`, in place). The
     projections are read as plain [out, in] matrices in the model's dtype, or, where every one of them has a
-    `step_weights()` method (chapter 08's `AWQLinear`), in the format it names: `(bytes, group size, (name, kernel
+    `step_weights()` method (chapter 08's `AWQLinear`), in the format it names: `(bytes, scale group, (name, kernel
     table))`, the table's `name` being `decode_step` compiled over that format."""
     if not can_step(model.dtype, model.device):
-        raise ValueError(f"the one-call decode step needs float32 or bfloat16 on a CPU with a C++ compiler and OpenMP; this model is {model.dtype} on {model.device}")
+        raise ValueError(f"the one-call decode step needs float32 or bfloat16 on a CPU with a C++ compiler and "
+                         f"OpenMP; this model is {model.dtype} on {model.device}")
     check_behaviours(model.cfg, STEP_PATH, "the one-call decode step (kernels='step')")
     # plain [out, in] matrices in the model's dtype: nn.Linear's, or those 00a's PackedLinear keeps beside its copy
     projections = [p for l in model.layers
@@ -351,14 +353,16 @@ def fuse_decode_step(model):
         w = getattr(p, "weight", None)
         return isinstance(w, torch.Tensor) and w.dtype == model.dtype and w.is_contiguous()
     formats = [p.step_weights() for p in projections] if all(hasattr(p, "step_weights") for p in projections) else None
-    if formats is None: readable = all(plain(p) for p in projections)
-    else: readable = len({(g, name) for _, g, (name, _) in formats}) == 1  # one group size, one kernel
+    if formats is None:
+        readable = all(plain(p) for p in projections)
+    else:
+        readable = len({(g, name) for _, g, (name, _) in formats}) == 1  # one scale group, one kernel
     if not (readable and plain(model.lm_head)):
         raise ValueError("the one-call decode step reads plain [out, in] weights in the model's dtype (weights='plain' "
-                         "or 'packed'), or those of one weight format (`step_weights`, weights='awq-int4'), "
+                         "or 'packed'), or those of one weight format whose modules say how (`step_weights`), "
                          "and a plain LM head")
     model.__class__ = StepLlama
-    model.group_size = formats[0][1] if formats else 0  # 0: plain projections
+    model.scale_group = formats[0][1] if formats else 0  # 0: plain projections
     model.step_kernel = formats[0][2] if formats else ("decode_step", cpu_step_kernels())
     model.weight_buffers = [w for w, _, _ in formats] if formats else None  # kept alive: the call reads them by address
     # the weights' addresses, in decode_step's order, gathered once: ~1 ms of Python attribute lookups if done every step

@@ -56,7 +56,7 @@ def test_int4_step_matches_the_modules(rtn_folder, tokenizer, dtype):
     reference = fuse_cpu_ops(dequantized(load_awq_model(rtn_folder, "float32")))
     want, fed, k_want, v_want = prefill_then_decode(reference, prompts, steps=3)
     step = fuse_decode_step(modules(dtype))
-    assert step.group_size == 64 and step.step_kernel[0] == "decode_step_q4x8"
+    assert step.scale_group == 64 and step.step_kernel[0] == "decode_step_q4x8"
     step.timings = torch.zeros(5, dtype=torch.float64)
     got, _, k_got, v_got = prefill_then_decode(step, prompts, steps=3, feed=fed)
     assert step.timings.sum() > 0  # the decode steps were the C++ call
