@@ -164,7 +164,7 @@ def test_fuse_awq_is_the_parts_side_by_side():
     assert fused.out_features == 96
     assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
     assert torch.allclose(fused.reference(x), torch.cat([F.linear(x, p.dequantize()) for p in parts], -1), atol=1e-5)
-    assert torch.equal(fused(x), torch.cat([p(x) for p in parts], -1))  # the CPU kernel: blocks of 16 outputs apart
+    assert torch.equal(fused(x), torch.cat([p(x) for p in parts], -1))  # chapter 08a's CPU kernel: 16 outputs a block
 
 
 def tiny_config(n_heads=4, n_kv_heads=2, vocab=49152):
