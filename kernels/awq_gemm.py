@@ -1,4 +1,4 @@
-"""Kernel lab: the W4A16 AWQ GEMM (`minfer.awq.awq_gemm`, chapter 08).
+"""Kernel lab: the W4A16 AWQ GEMM (`minfer.awq_kernels.awq_gemm`, chapter 08a).
 
 Checks the Triton kernel against its PyTorch reference (dequantise the AutoAWQ GEMM tensors, then `F.linear`), then
 benchmarks it with `triton.testing.do_bench` against the dense fp16/bf16 matmul of the same (dequantised) weight and the
@@ -36,7 +36,8 @@ if not torch.cuda.is_available():
     if args.dtype == "bf16": sys.exit("the Triton interpreter computes bf16 wrongly: use --dtype fp16 or fp32 on CPU")
 
 import triton
-from minfer.awq import AWQLinear, awq_gemm
+from minfer.awq import AWQLinear
+from minfer.awq_kernels import awq_gemm
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 dev = "cuda" if torch.cuda.is_available() else "cpu"

@@ -332,7 +332,9 @@ def usable_cores():
 
 def _step_reads(weights):
     "Whether chapter 05c's one-call step reads this weight format's projections (plain, or chapter 08's 4-bit)."
-    return WEIGHT_FORMATS[weights].plain_weights or WEIGHT_FORMATS[weights].step_weights
+    fmt = WEIGHT_FORMATS[weights]
+    own = fmt.step_weights() if callable(fmt.step_weights) else fmt.step_weights  # a format may answer when asked
+    return fmt.plain_weights or own
 
 def _stored_formats(folder):
     "The weight formats `folder` is saved in (a folder written by `minfer quantize` holds chapter 08's)."
@@ -402,8 +404,8 @@ CONFIG_RULES = [
          lambda c: f"kernels='cpu' needs dtype 'float32' or 'bfloat16' on device='cpu' and a C++ compiler "
                    f"(got {c.dtype!r} on {c.device!r}{_no_compiler()}); use kernels='torch'"),
     Rule(("kernels", "weights"), lambda c: c.kernels == "step" and not _step_reads(c.weights),
-         lambda c: f"kernels='step' reads plain weight matrices or 4-bit ones, which weights={c.weights!r} does not "
-                   "keep; use kernels='cpu'"),
+         lambda c: f"kernels='step' reads plain weight matrices, or a format's own layout where a kernel gives it a "
+                   f"reader; weights={c.weights!r} has neither here; use kernels='cpu'"),
     Rule(("kernels", "kv"), lambda c: c.kernels == "step" and c.kv != "paged",
          lambda c: f"kernels='step' runs decode steps over the paged KV pool (got kv={c.kv!r}); "
                    "use kv='paged', or kernels='cpu'"),

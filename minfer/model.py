@@ -818,7 +818,8 @@ class WeightFormat:
     (one line), or None; `detect(folder)`: whether a folder is stored in this format (so `weights="auto"` picks it);
     `plain_weights`: whether the model keeps plain [out, in] matrices in its dtype (05c's one-call step reads them);
     `step_weights`: whether its projections give the step a format of their own instead (`step_weights()`,
-    e.g. chapter 08's 4-bit codes);
+    e.g. chapter 08's 4-bit codes): a bool, or a function of no arguments answering it when asked (for a format
+    whose step reader comes with a kernel a later chapter registers);
     `stored`: whether it loads only from a folder saved in it (`detect` says which), not from plain weights."""
     name: str
     load: Callable
@@ -826,7 +827,7 @@ class WeightFormat:
     refuses: Callable = lambda dtype, device: None
     detect: Callable = lambda folder: False
     plain_weights: bool = True
-    step_weights: bool = False
+    step_weights: bool | Callable = False
     stored: bool = False
     dtype: str | None = None  # the dtype `dtype="auto"` picks for it, where it has one that runs fastest
     runs_all: bool = True  # whether it runs every behaviour (`BEHAVIOURS`); else those paired with "weights='<name>'"

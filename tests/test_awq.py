@@ -1,30 +1,23 @@
-"""Chapter 08's AWQ INT4 weights: the packing against AutoAWQ's own code, the kernels against the dequantised reference,
-the search's folding against the unscaled model, the folder format, loading and its errors, and perplexity.
+"""Chapter 08's AWQ INT4 weights: the packing against AutoAWQ's own code, `AWQLinear` against the dequantised
+reference, the search's folding against the unscaled model, the folder format, loading and its errors, and perplexity.
+(Chapter 08a's kernels, and how they plug into `AWQ_KERNELS`: tests/test_awq_kernels.py, test_awq_q4x8.py and
+test_awq_step.py.)
 
 References are independent of minfer's code: AutoAWQ's packing loop and unpacking functions (copied below verbatim, MIT
 licence), hand-derived bit patterns, `F.linear` on explicitly dequantised weights, `F.cross_entropy`, and a dense
 `Llama` with the dequantised weights put in by hand.
-
-Without CUDA the Triton kernel runs in Triton's interpreter (TRITON_INTERPRET=1 is set before triton is imported),
-in fp32 and fp16 only; the `gpu`-marked tests run it compiled, bf16 and larger shapes included.
 """
-import json, math, os
+import json, math
 import pytest
 import torch
 import torch.nn.functional as F
 
-CUDA = torch.cuda.is_available()
-if not CUDA: os.environ.setdefault("TRITON_INTERPRET", "1")
-
 from safetensors.torch import save_file
 from minfer.model import Llama, ModelConfig, NoCache, Tokenizer, data_dir, load_model
-from minfer.awq import (AWQLinear, awq_bytes_per_token, awq_gemm, awq_transform, calibration_ids, check_awq_config,
+from minfer.awq import (AWQLinear, awq_bytes_per_token, awq_transform, calibration_ids, check_awq_config,
                         dequantize_awq, dequantize_groups, fake_quantize, fuse_awq, is_awq_folder, load_awq_model,
                         pack_awq, pack_awq_int4, perplexity, quantize_folder, quantize_groups, search_clip, apply_clip,
                         unpack_awq_int4)
-
-DEV = "cuda" if CUDA else "cpu"
-gpu = pytest.mark.gpu
 
 
 # ---- AutoAWQ's code, verbatim (https://github.com/casper-hansen/AutoAWQ, MIT License, Copyright (c) 2023 MIT HAN Lab):
@@ -155,7 +148,7 @@ def test_awq_linear_reference_and_cpu_kernel():
     x = torch.randn(4, 3, 576)
     want = F.linear(x, dequantize_groups(*quantize_groups(w, 64), 64))
     assert torch.allclose(layer.reference(x), want, atol=1e-5)
-    for x_in in (x, x.bfloat16()):  # the CPU kernel: x rounded to 8 bits per block of 32 (tests/test_awq_q4x8.py)
+    for x_in in (x, x.bfloat16()):  # chapter 08a's CPU kernel: x rounded to 8 bits per block of 32 (test_awq_q4x8.py)
         got = layer(x_in)
         assert got.dtype == x_in.dtype and got.shape == (4, 3, 192)
         err = (got.float() - want).abs().max().item()
@@ -171,37 +164,7 @@ def test_fuse_awq_is_the_parts_side_by_side():
     assert fused.out_features == 96
     assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
     assert torch.allclose(fused.reference(x), torch.cat([F.linear(x, p.dequantize()) for p in parts], -1), atol=1e-5)
-    assert torch.equal(fused(x), torch.cat([p(x) for p in parts], -1))  # the CPU kernel: blocks of 16 outputs apart
-
-
-TRITON_CASES = {  # (M, K, N, group size, block_n, block_k): N not a multiple of the tile, one row, group > block_k
-    "one-row": (1, 128, 64, 32, 32, 16),
-    "ragged-n": (5, 192, 40, 64, 32, 32),
-    "group-128": (3, 256, 48, 128, 32, 64),
-}
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("case", TRITON_CASES)
-def test_triton_kernel_matches_reference(case, dtype):
-    M, K, N, G, block_n, block_k = TRITON_CASES[case]
-    layer = AWQLinear.from_weight(random_weight(N, K, seed=M), G).to(DEV)
-    x = torch.randn(M, K, device=DEV).to(dtype)
-    got = awq_gemm(x, layer.qweight, layer.qzeros, layer.scales, G, block_n=block_n, block_k=block_k)
-    want = F.linear(x.float(), layer.dequantize())
-    err = (got.float() - want).abs().max().item()
-    assert got.dtype == dtype and err <= (1e-5 if dtype == torch.float32 else 3e-3) * want.abs().max().item(), err
-
-
-@gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("M,K,N,G", [(1, 4096, 4096, 128), (16, 576, 3072, 64), (200, 1536, 576, 64)])
-def test_triton_kernel_compiled(M, K, N, G, dtype):
-    layer = AWQLinear.from_weight(torch.randn(N, K) * 0.02, G).cuda()
-    x = torch.randn(M, K, device="cuda", dtype=dtype)
-    got = layer(x)  # on CUDA, forward is the Triton kernel
-    want = F.linear(x.float(), layer.dequantize())
-    err = (got.float() - want).abs().max().item()
-    assert err <= 2e-2 * want.abs().max().item(), err
+    assert torch.equal(fused(x), torch.cat([p(x) for p in parts], -1))  # chapter 08a's CPU kernel: 16 outputs a block
 
 
 def tiny_config(n_heads=4, n_kv_heads=2, vocab=49152):

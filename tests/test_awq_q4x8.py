@@ -1,11 +1,12 @@
-"""Chapter 08's 8-bit-activation kernel (`matmul_q4x8`, what `AWQLinear` runs for bf16 on a CPU) against two fp64
+"""Chapter 08a's 8-bit-activation kernel (`matmul_q4x8`, what `AWQLinear` runs for bf16 on a CPU) against two fp64
 references: the weight dequantised (AutoAWQ's definition, `dequantize_awq`) times x rounded to 8 bits per block of 32
 inputs as the kernel defines it (computed here in PyTorch: equal up to float rounding), and the same weight times x
 itself (within the most 8-bit rounding can move a product: half a step per input). Each instruction set's path."""
 import ctypes, platform
 import pytest, torch
 
-from minfer.awq import (AWQLinear, AWQ_CPU_SOURCE, awq_cpu_available, matmul_q4x8, pack_q4x8, unpack_awq_int4)
+from minfer.awq import AWQLinear, unpack_awq_int4
+from minfer.awq_kernels import AWQ_CPU_SOURCE, awq_cpu_available, matmul_q4x8, pack_q4x8, q4x8_codes
 from minfer.cpu_kernels import build_cpu_kernels, load_kernels
 from minfer.cpu_step import STEP_CXX_FLAGS
 
@@ -74,11 +75,13 @@ def test_matmul_q4x8_matches_both_references(n_out, n_in, group_size, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_awq_linear_runs_it_on_a_cpu(dtype):
-    "AWQLinear on CPU inputs of any leading shape, fp32 or bf16, is the kernel."
+    "AWQLinear on CPU inputs of any leading shape, fp32 or bf16, is the kernel, on codes repacked at the first call."
     lin = random_awq(64, 128, 64)
     x = torch.randn(2, 5, 128).to(dtype)
     got = lin(x)
-    assert got.shape == (2, 5, 64) and got.dtype == dtype and lin._q4x8 is not None
+    assert got.shape == (2, 5, 64) and got.dtype == dtype
+    # the codes were repacked by that first call and kept (no `pack` is needed to fetch them)
+    assert lin.layout("q4x8", pack=None) is q4x8_codes(lin) and torch.equal(q4x8_codes(lin), q4x8_weights(lin))
     check(got.reshape(10, 64), lin, x.reshape(10, 128))
 
 

@@ -43,7 +43,7 @@ def rtn_folder(tmp_path_factory, model_dir):
 def test_int4_step_matches_the_modules(rtn_folder, tokenizer, dtype):
     """Three decode steps of three sequences, one call each, every path fed the greedy tokens of the fp32 reference (the
     modules with the dequantised weights: F.linear) over the same pool. The step and the modules each against fp32,
-    never against each other (contract 4; `lossy` explains the bounds): both run every projection through chapter 08's
+    never against each other (contract 4; `lossy` explains the bounds): both run every projection through chapter 08a's
     `matmul_q4x8` (x rounded to 8 bits per block of 32 inputs), the step inside its one C++ call, the modules one
     call per projection; bf16 rounds the activations too. Logits within E = 8 bf16 eps of the largest |logit|; logits
     minus that of fp32's top token within D = 5, so the argmax is fp32's in the rows whose fp32 top-2 gap exceeds D;
@@ -69,7 +69,7 @@ def test_int4_step_matches_the_modules(rtn_folder, tokenizer, dtype):
 
 def test_llm_picks_the_int4_step(rtn_folder):
     """LLM(awq folder) resolves kernels='step' by itself, in bf16. Its greedy tokens and those of kernels='cpu' (the
-    modules, chapter 08's 8-bit-activation kernel) are each the fp32 reference's (the folder's dequantised weights in
+    modules, chapter 08a's 8-bit-activation kernel) are each the fp32 reference's (the folder's dequantised weights in
     fp32), or first differ where fp32's top-2 gap is below D = 8 bf16 eps of that position's largest |logit| (`lossy`;
     per position, the teacher-forced tests measured up to 4.1 of them). On AMD EPYC, AVX-512, and on the AVX2
     stand-in both paths gave fp32's 12 tokens for each of the three chat prompts, through near-ties down to a gap of
