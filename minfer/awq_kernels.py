@@ -9,11 +9,10 @@ __all__ = ['AWQ_CPU_SOURCE', 'pack_q4x8', 'awq_cpu_kernels', 'awq_cpu_available'
            'q4x8_step', 'awq_gemm']
 
 # %% ../nbs/08a_awq_kernels.ipynb #1a7af969
-import ctypes, functools, os
+import ctypes, functools
 
 import torch
-if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
-    os.environ["TRITON_INTERPRET"] = "1"  # no GPU: Triton's interpreter, as in chapter 05a (fp32/fp16 only)
+import minfer.flash  # chapter 05a: without a GPU, Triton's interpreter (set before any kernel below is defined)
 import triton
 import triton.language as tl
 
