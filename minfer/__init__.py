@@ -8,10 +8,10 @@ import importlib
 # the ones before it, nothing later, so a reader of chapter 03 runs chapter 03's engine. The public names below load
 # every chapter first (`load_all`), so that `from minfer import LLM` sees every registry's entries: weight formats,
 # KV formats and their readers, attention backends, speculative methods, worker engines, model families, output
-# constraints, subcommands, and the switches each chapter adds to the engine's config.
+# constraints, subcommands, server routes, and the switches each chapter adds to the engine's config.
 CHAPTERS = ("model", "roofline", "naive", "kvcache", "sampling", "sequence", "sequential", "paged", "radix", "flash",
-            "cpu_kernels", "cpu_step", "scheduler", "engine", "llm", "serve", "cli", "awq", "awq_kernels", "formats",
-            "kvquant", "speculative", "eagle", "disagg", "families", "moe", "tp", "cluster", "structured")
+            "cpu_kernels", "cpu_step", "scheduler", "engine", "llm", "serve", "cli", "chat", "awq", "awq_kernels",
+            "formats", "kvquant", "speculative", "eagle", "disagg", "families", "moe", "tp", "cluster", "structured")
 PUBLIC = {"LLM": "llm", "RequestOutput": "llm", "Completion": "llm", "SamplingParams": "sampling"}
 
 

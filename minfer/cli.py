@@ -134,5 +134,4 @@ COMMANDS.register("generate", Command("complete a prompt", _generate_args, run_g
 COMMANDS.register("chat", Command("chat with the model (interactive unless --message)", _chat_args, run_chat))
 COMMANDS.register("bench", Command("decode speed next to the bandwidth floor, and where a step's time goes",
                                    _bench_args, run_bench))
-COMMANDS.register("serve", Command("OpenAI-compatible HTTP server with a chat page at / (chapter 07b)",
-                                   _serve_args, run_serve))
+COMMANDS.register("serve", Command("OpenAI-compatible HTTP server (chapter 07b)", _serve_args, run_serve))

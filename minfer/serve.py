@@ -6,13 +6,13 @@ Docs: https://minfer.github.io/minfer/serve.html.md"""
 
 # %% auto #0
 __all__ = ['log', 'MAX_LOGPROBS', 'INT64', 'REQUEST_FIELDS', 'FINAL_EVENTS', 'LOOPBACK_HOSTS', 'PREPARE_WORKERS', 'SERVER_ROUTES',
-           'CHAT_PAGE', 'APIError', 'one_line', 'internal_error', 'StreamOptions', 'CompletionRequest', 'ChatMessage',
-           'ChatRequest', 'parse_request', 'ServerLimits', 'json_depth', 'decode_json', 'read_body', 'RequestField',
-           'option_fields', 'request_options', 'sampling_params', 'completion_prompts', 'chat_messages', 'Update',
-           'Event', 'Job', 'EngineLoop', 'ServerMetrics', 'completion_logprobs', 'chat_logprobs', 'choice_error', 'sse',
-           'host_name', 'served_hosts', 'check_api_key', 'carries_key', 'RequestGate', 'running_switches',
-           'started_pool', 'ServerRoute', 'OpenAIServer', 'bind_socket', 'ServerThread', 'serve_in_thread',
-           'add_serve_args', 'limits_from_args', 'llm_from_args', 'serve_main', 'main']
+           'APIError', 'one_line', 'internal_error', 'StreamOptions', 'CompletionRequest', 'ChatMessage', 'ChatRequest',
+           'parse_request', 'ServerLimits', 'json_depth', 'decode_json', 'read_body', 'RequestField', 'option_fields',
+           'request_options', 'sampling_params', 'completion_prompts', 'chat_messages', 'Update', 'Event', 'Job',
+           'EngineLoop', 'ServerMetrics', 'completion_logprobs', 'chat_logprobs', 'choice_error', 'sse', 'host_name',
+           'served_hosts', 'check_api_key', 'carries_key', 'RequestGate', 'running_switches', 'started_pool',
+           'ServerRoute', 'open_paths', 'OpenAIServer', 'bind_socket', 'ServerThread', 'serve_in_thread',
+           'add_serve_args', 'limits_from_args', 'llm_from_args', 'ready_line', 'serve_main', 'main']
 
 # %% ../nbs/07b_serve.ipynb #7344458a
 import argparse, asyncio, contextlib, dataclasses, functools, ipaddress, json, logging, math, os, queue, re
@@ -23,7 +23,7 @@ from typing import Any, Callable, Literal
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -720,15 +720,14 @@ class RequestGate:
     """What every request passes first, refused in OpenAI's error shape:
     - a Host header that names no host served here (421: the defence against DNS rebinding, a web page whose name
       its owner points at 127.0.0.1 to reach this server from a browser);
-    - without the API key, when there is one, anything but the chat page and `/health` (401);
+    - without the API key, when there is one, anything but `open_paths` (401): `/health`, for a load balancer, and
+      the routes a later chapter registers as open (`ServerRoute.open`);
     - a POST whose body is not declared JSON (415: a page on another site may have a browser post a form or plain
       text without asking this server first, but not JSON).
     A plain ASGI middleware: Starlette's `BaseHTTPMiddleware` would hand the app a `receive` of its own that stands
     between a stream and the client's disconnect (see `_client_gone`)."""
-    OPEN_PATHS = ("/", "/health")
-
-    def __init__(self, app, hosts, api_key=None):
-        self.app, self.hosts, self.api_key = app, hosts, api_key
+    def __init__(self, app, hosts, open_paths, api_key=None):
+        self.app, self.hosts, self.api_key, self.open_paths = app, hosts, api_key, frozenset(open_paths)
 
     def refusal(self, scope, headers):
         "The APIError that refuses this request, or None."
@@ -738,7 +737,7 @@ class RequestGate:
             if name not in self.hosts and not _ip_literal(name):
                 return APIError(f"Host {name[:80]!r} is not served here (add it with --allowed-hosts)", None, 421,
                                 code="misdirected_request")
-        if scope["path"] not in self.OPEN_PATHS and not carries_key(headers, self.api_key):
+        if scope["path"] not in self.open_paths and not carries_key(headers, self.api_key):
             return APIError("invalid or missing API key: send the header 'Authorization: Bearer <key>'", None, 401,
                             code="invalid_api_key")
         media_type = headers.get("content-type", "").partition(";")[0].strip().lower()
@@ -755,7 +754,7 @@ class RequestGate:
         await self.app(scope, receive, send)
 
 def running_switches(llm):
-    "The switches the engine runs with (its `EngineConfig`, every 'auto' resolved), for /health and the chat page."
+    "The switches the engine runs with (its `EngineConfig`, every 'auto' resolved), for /health."
     return {name: value for name, value in llm.config.items() if name != "model"}
 
 PREPARE_WORKERS = 2  # threads that run `LLM.prepare` (chat templates, tokenizing, compiling options)
@@ -790,18 +789,28 @@ def _request_param(field, req, chat):
 
 @dataclasses.dataclass(frozen=True)
 class ServerRoute:
-    """A GET route a later chapter adds to every server: `answer(server)` -> its JSON body, read from what the
+    """A GET route a later chapter adds to every server: `answer(server)` -> its body, read from what the
     `OpenAIServer` holds (`engine.stats`, the engine thread's snapshot; `metrics`; `llm`). Quick: it runs on the
-    event loop."""
+    event loop. `response_class`: how the body is sent (JSON unless the route says otherwise, `HTMLResponse` for a
+    page). `open`: answered without the API key, for a route that holds nothing a key guards (a static page).
+    `title`: what the start-up line calls the route ("<title> at <path>"); None leaves it out."""
     answer: Callable
+    response_class: type = JSONResponse
+    open: bool = False
+    title: str | None = None
 
 SERVER_ROUTES = Registry("server route", ServerRoute)  # path -> ServerRoute; later chapters register theirs
+
+def open_paths():
+    "The paths a server answers without its API key: the routes registered `open`, and `/health`."
+    return (*(path for path, route in SERVER_ROUTES.items() if route.open), "/health")
 
 class OpenAIServer:
     """An OpenAI-compatible HTTP API over one `LLM`; `.app` is the ASGI app (serve it with uvicorn). `limits`: what one
     client may ask (`ServerLimits`). `host`: the address it listens on, which with `allowed_hosts` makes the names a
-    Host header may carry. With `api_key`, every request but the chat page and `/health` must send
-    `Authorization: Bearer <api_key>` (401 otherwise), and `/health` shows no model or switches to one without it."""
+    Host header may carry. With `api_key`, every request but `/health` and the routes registered open
+    (`open_paths()`) must send `Authorization: Bearer <api_key>` (401 otherwise), and `/health` shows no model or
+    switches to one without it."""
     def __init__(self, llm, served_model_name=None, api_key=None, limits=None, host="127.0.0.1", allowed_hosts=()):
         self.llm, self.model_name = llm, served_model_name or Path(llm.model_dir).name
         self.api_key, self.limits = check_api_key(api_key), (limits or ServerLimits()).check()
@@ -823,15 +832,15 @@ class OpenAIServer:
         app.add_exception_handler(APIError, _refused)
         app.add_exception_handler(StarletteHTTPException, _http_error)
         app.add_exception_handler(Exception, _unexpected)
-        app.add_middleware(RequestGate, hosts=served_hosts(host, allowed_hosts), api_key=self.api_key)
+        app.add_middleware(RequestGate, hosts=served_hosts(host, allowed_hosts), open_paths=open_paths(),
+                           api_key=self.api_key)
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat_completions)
         app.get("/v1/models")(self.models)
         app.get("/health")(self.health)
         app.get("/metrics")(self.prometheus)
-        app.get("/", response_class=HTMLResponse)(self.chat_page)
-        for path, route in SERVER_ROUTES.items():
-            app.get(path)(self._route(route))
+        for path, route in SERVER_ROUTES.items():  # chapter 07d adds the chat page at /
+            app.get(path, response_class=route.response_class)(self._route(route))
 
     def _route(self, route):
         "The handler of a route a later chapter registered (`SERVER_ROUTES`): its answer, from this server."
@@ -866,9 +875,6 @@ class OpenAIServer:
 
     async def prometheus(self):
         return Response(self.metrics.text(), media_type=CONTENT_TYPE_LATEST)
-
-    async def chat_page(self):
-        return HTMLResponse(CHAT_PAGE)
 
     def _work(self, req, chat):
         "-> (prompts, or [the conversation]; SamplingParams; logprobs): the request's checks that need no heavy work."
@@ -1025,175 +1031,6 @@ class OpenAIServer:
         finally:
             self.metrics.requests.labels(endpoint, outcome).inc()
 
-# %% ../nbs/07b_serve.ipynb #387509ca
-CHAT_PAGE = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>minfer chat</title>
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<link rel="icon" href="data:,">
-<style>
-body { font: 15px/1.45 system-ui, sans-serif; margin: 0; background: #f6f6f3; color: #222; }
-header { padding: 10px 16px; background: #23313f; color: #fff; }
-header h1 { font-size: 18px; margin: 0; }
-#engine { font: 12px ui-monospace, monospace; opacity: .85; margin-top: 3px; }
-#log { max-width: 820px; margin: 0 auto; padding: 12px 16px 150px; }
-.msg { margin: 10px 0; padding: 8px 12px; border-radius: 8px; white-space: pre-wrap; }
-.user { background: #dbe8f7; margin-left: 15%; }
-.assistant { background: #fff; border: 1px solid #ddd; margin-right: 15%; }
-.error { border-color: #c33; }
-.metrics { font: 12px ui-monospace, monospace; color: #666; margin-top: 6px; white-space: normal; }
-form { position: fixed; bottom: 0; left: 0; right: 0; background: #eee; padding: 10px; border-top: 1px solid #ccc;
-       display: flex; gap: 8px; align-items: center; justify-content: center; flex-wrap: wrap; }
-textarea { width: min(600px, 90vw); font: inherit; }
-label { font-size: 12px; }
-input[type=number] { width: 60px; }
-</style></head>
-<body>
-<header><h1>minfer chat</h1><div id="engine">loading the engine's switches…</div></header>
-<main id="log"></main>
-<form id="form">
-  <textarea id="input" rows="2" placeholder="Type a message. Enter sends, Shift+Enter starts a new line."></textarea>
-  <label>temperature <input id="temperature" type="number" value="0" min="0" max="2" step="0.1"></label>
-  <label>max tokens <input id="max-tokens" type="number" value="200" min="1"></label>
-  <button id="send" type="submit">Send</button>
-  <button id="stop" type="button" disabled>Stop</button>
-  <button id="clear" type="button">Clear</button>
-</form>
-<script>
-"use strict";
-const $ = (id) => document.getElementById(id);
-let conversation = [], model = null, controller = null;
-let apiKey = sessionStorage.getItem("minfer-api-key");  // a server started with --api-key asks for it once
-const withKey = (headers) => apiKey ? {...headers, Authorization: "Bearer " + apiKey} : headers;
-
-async function loadEngine() {
-  let listed = await fetch("/v1/models", {headers: withKey({})});
-  if (listed.status === 401) {
-    apiKey = window.prompt("This server needs an API key:") || "";
-    sessionStorage.setItem("minfer-api-key", apiKey);
-    listed = await fetch("/v1/models", {headers: withKey({})});
-  }
-  if (!listed.ok) throw new Error((await listed.json()).error.message);
-  const health = await fetch("/health", {headers: withKey({})}).then(r => r.json());
-  const models = await listed.json();
-  model = models.data[0].id;
-  const switches = Object.entries(health.switches).map(([k, v]) => k + "=" + v).join(" · ");
-  $("engine").textContent = model + " — " + switches;
-}
-
-function bubble(role, text) {
-  const div = document.createElement("div");
-  div.className = "msg " + role;
-  const body = document.createElement("div");
-  body.className = "text";
-  body.textContent = text;
-  div.appendChild(body);
-  $("log").appendChild(div);
-  div.scrollIntoView({block: "end"});
-  return div;
-}
-
-function busy(on) {
-  $("send").disabled = on;
-  $("stop").disabled = !on;
-}
-
-function showMetrics(el, m) {
-  // TTFT and tokens/s as this browser saw them; bytes per token from the engine's ledger
-  el.dataset.ttftMs = m.ttftMs.toFixed(0);
-  el.dataset.tokensPerS = m.tokensPerS.toFixed(1);
-  el.dataset.bytesPerToken = m.bytesPerToken;
-  const mb = m.bytesPerToken ? (m.bytesPerToken / 1e6).toFixed(1) + " MB/token" : "bytes/token n/a";
-  el.textContent = "TTFT " + m.ttftMs.toFixed(0) + " ms · " + m.tokensPerS.toFixed(1) + " tokens/s · " + mb +
-                   " · " + m.tokens + " tokens · " + m.finish;
-  if (m.serverTtft != null) el.title = "server-side TTFT " + (m.serverTtft * 1000).toFixed(0) + " ms";
-}
-
-async function send(text) {
-  conversation.push({role: "user", content: text});
-  bubble("user", text);
-  const div = bubble("assistant", "");
-  const body = div.querySelector(".text");
-  const stats = document.createElement("div");
-  stats.className = "metrics";
-  div.appendChild(stats);
-  controller = new AbortController();
-  busy(true);
-  const t0 = performance.now();
-  let tFirst = null, answer = "", usage = null, server = null, finish = "aborted", failed = false;
-  try {
-    const request = {model, messages: conversation, stream: true, stream_options: {include_usage: true},
-                     temperature: Number($("temperature").value), max_tokens: Number($("max-tokens").value)};
-    const resp = await fetch("/v1/chat/completions", {method: "POST", signal: controller.signal,
-      headers: withKey({"Content-Type": "application/json"}), body: JSON.stringify(request)});
-    if (!resp.ok) throw new Error((await resp.json()).error.message);
-    const reader = resp.body.getReader(), decoder = new TextDecoder();
-    let buffer = "";
-    for (;;) {
-      const {value, done} = await reader.read();
-      if (done) break;
-      buffer += decoder.decode(value, {stream: true});
-      let cut;
-      while ((cut = buffer.indexOf("\\n\\n")) >= 0) {
-        const line = buffer.slice(0, cut).trim();
-        buffer = buffer.slice(cut + 2);
-        if (!line.startsWith("data:")) continue;
-        const data = line.slice(5).trim();
-        if (data === "[DONE]") continue;
-        const chunk = JSON.parse(data);
-        if (chunk.error) throw new Error(chunk.error.message);
-        if (chunk.usage) usage = chunk.usage;
-        if (chunk.metrics) server = chunk.metrics;
-        for (const choice of chunk.choices) {
-          if (choice.finish_reason) finish = choice.finish_reason;
-          const piece = choice.delta && choice.delta.content;
-          if (!piece) continue;
-          if (tFirst === null) tFirst = performance.now();
-          answer += piece;
-          body.textContent = answer;
-          div.scrollIntoView({block: "end"});
-        }
-      }
-    }
-  } catch (e) {
-    if (e.name !== "AbortError") {
-      failed = true;
-      div.classList.add("error");
-      body.textContent = answer + " [error: " + e.message + "]";
-    }
-  } finally {
-    busy(false);
-    controller = null;
-  }
-  if (failed) {  // a turn the server refused is not part of the conversation
-    conversation.pop();
-    return;
-  }
-  const tEnd = performance.now();
-  const tokens = usage ? usage.completion_tokens : 0;
-  const first = tFirst === null ? tEnd : tFirst;
-  showMetrics(stats, {ttftMs: first - t0, tokens, finish,
-                      tokensPerS: tokens > 1 && tEnd > first ? (tokens - 1) / ((tEnd - first) / 1000) : 0,
-                      bytesPerToken: server ? server.bytes_per_token : 0, serverTtft: server ? server.ttft : null});
-  conversation.push({role: "assistant", content: answer});
-}
-
-$("form").addEventListener("submit", (e) => {
-  e.preventDefault();
-  const text = $("input").value.trim();
-  if (!text || controller) return;
-  $("input").value = "";
-  send(text);
-});
-$("input").addEventListener("keydown", (e) => {
-  if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); $("form").requestSubmit(); }
-});
-$("stop").addEventListener("click", () => controller && controller.abort());
-$("clear").addEventListener("click", () => { conversation = []; $("log").textContent = ""; });
-loadEngine().catch((e) => { $("engine").textContent = "could not reach the server: " + e.message; });
-</script>
-</body></html>
-"""
-
 # %% ../nbs/07b_serve.ipynb #926ac7ef
 def bind_socket(host="127.0.0.1", port=0):
     "A listening TCP socket on host:port (port 0: a free one, read it back with `getsockname()`)."
@@ -1243,8 +1080,8 @@ def add_serve_args(parser):
     parser.add_argument("--served-model-name", default=None, help="the `model` clients send (default: folder name)")
     parser.add_argument("--log-level", default="warning", help="uvicorn's log level (info logs every request)")
     parser.add_argument("--api-key", default=os.environ.get("MINFER_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on every request but / and /health (default: "
-                             "$MINFER_API_KEY; none)")
+                        help="require 'Authorization: Bearer KEY' on every request but "
+                             f"{' and '.join(open_paths())} (default: $MINFER_API_KEY; none)")
     parser.add_argument("--allowed-hosts", type=lambda s: [h for h in s.split(",") if h.strip()], default=[],
                         help="comma-separated names the Host header may carry besides localhost, IP addresses and "
                              "--host ('*': any)")
@@ -1263,6 +1100,11 @@ def llm_from_args(args):
     "An `LLM` with the switches given on the command line."
     return LLM(**engine_switches(args))
 
+def ready_line(host, port):
+    "What `minfer serve` says once it listens: its address, the routes registered with a title, and the API."
+    routes = [f"{route.title} at {path}" for path, route in SERVER_ROUTES.items() if route.title]
+    return f"ready on http://{host}:{port} ({', '.join([*routes, 'OpenAI API under /v1'])})"
+
 def serve_main(args):
     "Load the model, listen, serve until Ctrl-C; -> exit status (2 for a bad key, limit, switch, folder or address)."
     try:
@@ -1276,8 +1118,7 @@ def serve_main(args):
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # tracebacks, with request ids
     server = OpenAIServer(llm, args.served_model_name, args.api_key, limits, args.host, args.allowed_hosts)
     host, port = sock.getsockname()[:2]
-    print(f"minfer serve: {llm!r}\nminfer serve: ready on http://{host}:{port} (chat page at /, OpenAI API under /v1)",
-          file=sys.stderr, flush=True)
+    print(f"minfer serve: {llm!r}\nminfer serve: {ready_line(host, port)}", file=sys.stderr, flush=True)
     config = uvicorn.Config(server.app, log_level=args.log_level, timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[sock])
     llm.close()  # pd_split=True: stop the worker processes (chapter 11)
@@ -1290,8 +1131,10 @@ def main(argv=None):
 
 # %% ../nbs/07b_serve.ipynb #a6cc807b
 # a notebook's kernel also runs as __main__, but only `python -m minfer.serve` has a __file__. Run as a program, the
-# server is the `minfer serve` command: every chapter loaded first, so every switch and registry entry is there
+# server is the `minfer serve` command: every chapter loaded first, so every switch and registry entry is there. The
+# chapters register into the module `minfer.serve`, a second copy of this file beside this `__main__` one, so the
+# server is that module's (its SERVER_ROUTES and REQUEST_FIELDS hold their entries; this copy's are empty)
 if __name__ == "__main__" and "__file__" in globals():
     import minfer
     minfer.load_all()
-    sys.exit(main())
+    sys.exit(sys.modules["minfer.serve"].main())

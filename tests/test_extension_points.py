@@ -315,6 +315,28 @@ def test_a_toy_option_over_http_and_on_the_command_line(model_dir, model, toy_op
     assert llm.tokenizer.decode(want).strip().startswith(text)  # ends at EOS if an even EOS came first
 
 
+# ---- a server route (chapter 07b's SERVER_ROUTES): open without the key or behind it, named on the start-up line
+def test_a_toy_route_open_or_behind_the_key(model_dir, monkeypatch):
+    """Two GET routes registered from here: a plain-text page open without the API key and named on the start-up
+    line, and a JSON answer read from the server, behind the key."""
+    import httpx
+    from fastapi.responses import PlainTextResponse
+    from minfer.serve import SERVER_ROUTES, ServerRoute, open_paths, ready_line, serve_in_thread
+    monkeypatch.setitem(SERVER_ROUTES, "/toy-page", ServerRoute(lambda server: "hello, reader", PlainTextResponse,
+                                                                open=True, title="toy page"))
+    monkeypatch.setitem(SERVER_ROUTES, "/toy-seats", ServerRoute(lambda server: {"seats": server.llm.max_num_seqs}))
+    assert "/toy-page" in open_paths() and "/toy-seats" not in open_paths()
+    assert "toy page at /toy-page" in ready_line("127.0.0.1", 8000) and "/toy-seats" not in ready_line("h", 1)
+    with serve_in_thread(LLM(model_dir, max_num_seqs=3), api_key="toy-key") as srv:
+        page = httpx.get(srv.url + "/toy-page", timeout=60)
+        assert page.status_code == 200 and page.text == "hello, reader", page.text
+        assert page.headers["content-type"].startswith("text/plain")
+        refused = httpx.get(srv.url + "/toy-seats", timeout=60)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        seats = httpx.get(srv.url + "/toy-seats", headers={"Authorization": "Bearer toy-key"}, timeout=60)
+        assert seats.status_code == 200 and seats.json() == {"seats": 3}
+
+
 def test_an_entry_must_be_what_its_registry_holds():
     "A registry states what an entry provides (its kind): anything else is refused when it is registered."
     from minfer.speculative import SPECULATORS

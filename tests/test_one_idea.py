@@ -17,6 +17,7 @@ PKG = ROOT / "minfer"
 # and strings (a word with no "_" or space must match a whole part of a snake_case or dotted name)
 VOCABULARY = {
     "05a_flash": ["triton", "flash"],
+    "07d_chat": ["chat_page", "chat page"],
     "08_awq": ["awq", "int4", "pack_awq_int4", "group_size"],
     "08a_awq_kernels": ["q4x8", "awq_gemm", "awq_cpu"],
     "08b_formats": ["fp8", "mxfp4", "nvfp4", "e2m1", "e8m0", "e4m3", "microscal", "ScaledLinear"],

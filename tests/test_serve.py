@@ -1,51 +1,28 @@
 """`python -m minfer.serve` as a user runs it: a real server process on a free loopback port, the real model, spoken to
-with the official `openai` package (chat, completions, streaming, n > 1, stop), with plain HTTP for what a client
-library would refuse to send (invalid JSON, wrong types), and with headless Chromium for the chat page.
+with the official `openai` package (chat, completions, streaming, n > 1, stop), and with plain HTTP for what a
+client library would refuse to send (invalid JSON, wrong types). (The chat page at `/`, chapter 07d's, is
+tests/test_chat.py's.)
 
 One server process serves the whole module (loading the model is most of its start-up). Every generation asks for a
 handful of tokens: the 2-core CI machine decodes about 20 tokens/s.
 """
-import json, os, re, shutil, subprocess, sys, threading, time
-from pathlib import Path
+import json
 
 import httpx
 import pytest
 
 openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from serving import server_process, wait_for_idle  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m-instruct"
 
 
 @pytest.fixture(scope="module")
 def server():
-    "The server process; yields its base URL. Start-up prints `ready on http://host:port` (port 0: a free one)."
-    cmd = [sys.executable, "-m", "minfer.serve", "--host", "127.0.0.1", "--port", "0", "--max-num-seqs", "16"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
-    log, url = [], None
-    deadline = time.time() + 180
-    while url is None:
-        line = proc.stderr.readline()
-        if not line or time.time() > deadline:
-            proc.kill()
-            pytest.fail("the server did not start:\n" + "".join(log))
-        log.append(line)
-        if m := re.search(r"ready on (http://\S+)", line): url = m.group(1)
-    # keep reading stderr so the pipe never fills (and a traceback, if any, is there to show)
-    threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
-    for _ in range(200):
-        with httpx.Client() as c:
-            try:
-                if c.get(url + "/health").status_code == 200: break
-            except httpx.TransportError:
-                time.sleep(0.05)
-    proc.log = log
-    yield url, proc
-    assert proc.poll() is None, "the server died:\n" + "".join(log[-40:])
-    proc.terminate()
-    proc.wait(timeout=30)
+    "The server process: yields (base URL, process)."
+    with server_process("--max-num-seqs", "16") as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -240,14 +217,6 @@ def test_bad_requests_affect_nothing_else(client, http):
 
 
 # ---------------------------------------------------------------- disconnects free their KV blocks
-def _wait_for_idle(http, seconds=15):
-    deadline = time.time() + seconds
-    while time.time() < deadline:
-        s = stats(http)
-        if s["blocks_in_use"] == 0 and s["requests_running"] == 0: return s
-        time.sleep(0.05)
-    return stats(http)
-
 def test_disconnect_mid_stream_frees_blocks(url, http, server):
     before = metric_values(http).get('minfer_requests_total{endpoint=completions,outcome=aborted}', 0)
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2000, "stream": True, "temperature": 0,
@@ -267,7 +236,7 @@ def test_disconnect_mid_stream_frees_blocks(url, http, server):
             assert running["blocks_in_use"] > 0 and running["requests_running"] == 1, (
                 f"HTTP {r.status_code}; running {running['requests_running']}, blocks {running['blocks_in_use']}; "
                 f"last lines {lines[-3:]}; {outcomes}; server log: {''.join(server[1].log[-20:])[-1500:]}")
-    s = _wait_for_idle(http)
+    s = wait_for_idle(http)
     assert s["blocks_in_use"] == 0 and s["requests_running"] == 0, s
     m = metric_values(http)
     assert m["minfer_kv_blocks_in_use"] == 0
@@ -280,8 +249,20 @@ def test_disconnect_while_waiting_for_a_full_response(url, http):
             "temperature": 0, "ignore_eos": True}  # minutes of work unless the server aborts it
     with httpx.Client(base_url=url, timeout=1.0) as impatient, pytest.raises(httpx.ReadTimeout):
         impatient.post("/v1/chat/completions", json=body)
-    s = _wait_for_idle(http)
+    s = wait_for_idle(http)
     assert s["blocks_in_use"] == 0 and s["requests_running"] == 0, s
+
+
+# ---------------------------------------------------------------- the program loads every chapter's entries
+def test_the_program_has_every_chapters_entries(http):
+    """`python -m minfer.serve` serves with what every chapter registered: chapter 14's request fields (a
+    `structured_outputs` choice constrains the text) and chapter 13b's route (`/v1/loads`)."""
+    body = {"model": MODEL, "prompt": "Is Paris in France? Answer:", "max_tokens": 8, "temperature": 0,
+            "structured_outputs": {"choice": ["yes", "no"]}}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("yes", "no"), r.text
+    loads = http.get("/v1/loads")
+    assert loads.status_code == 200 and loads.json()["loads"][0]["max_running_requests"] == 16, loads.text
 
 
 # ---------------------------------------------------------------- metrics
@@ -297,59 +278,3 @@ def test_prometheus_metrics(http, client):
     assert m["minfer_requests_total{endpoint=completions,outcome=rejected}"] >= 1
     assert m["minfer_kv_blocks_total"] == stats(http)["blocks_total"]
     assert "minfer_preemptions_total" in m and "minfer_kv_blocks_in_use" in m
-
-
-# ---------------------------------------------------------------- the chat page, in headless Chromium
-@pytest.fixture(scope="module")
-def browser():
-    chromium = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
-    driver_path = shutil.which("chromedriver")
-    if not (chromium and driver_path):
-        msg = "headless Chromium and chromedriver are needed: bash tools/install_chromium.sh"
-        if os.environ.get("CI"): pytest.fail(msg + " (CI is set, so the page must be tested)")
-        pytest.skip(msg)
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = chromium
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-dev-shm-usage",
-                 "--disable-background-networking", "--disable-component-update", "--window-size=1100,900"):
-        opts.add_argument(flag)
-    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(options=opts, service=Service(executable_path=driver_path))
-    yield driver
-    driver.quit()
-
-
-def test_chat_page_streams_an_answer_and_shows_metrics(url, browser, http):
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import WebDriverWait
-    browser.get(url + "/")
-    wait = WebDriverWait(browser, 60)
-    wait.until(lambda d: "kv=paged" in d.find_element(By.ID, "engine").text)
-    assert MODEL in browser.find_element(By.ID, "engine").text
-    # count how often the answer's text changes: streamed tokens arrive in many updates, not one
-    browser.execute_script("""
-        window.updates = 0;
-        new MutationObserver(() => window.updates++).observe(document.getElementById("log"),
-                                                             {subtree: true, characterData: true, childList: true});""")
-    browser.find_element(By.ID, "max-tokens").clear()
-    browser.find_element(By.ID, "max-tokens").send_keys("12")
-    browser.find_element(By.ID, "input").send_keys("What is the capital of France?")
-    browser.find_element(By.ID, "send").click()
-    metrics = wait.until(lambda d: d.find_element(By.CSS_SELECTOR, ".assistant .metrics[data-ttft-ms]"))
-    answer = browser.find_element(By.CSS_SELECTOR, ".assistant .text").text
-    assert "Paris" in answer
-    assert browser.execute_script("return window.updates") > 5
-    text = metrics.text
-    assert "TTFT" in text and "tokens/s" in text and "MB/token" in text, text
-    assert float(metrics.get_attribute("data-ttft-ms")) > 0 and float(metrics.get_attribute("data-tokens-per-s")) > 0
-    assert float(metrics.get_attribute("data-bytes-per-token")) > 1e6  # a 135M-parameter model moves MBs per token
-    errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
-    assert not errors, errors
-    # a second turn carries the conversation
-    browser.find_element(By.ID, "input").send_keys("And of Italy?")
-    browser.find_element(By.ID, "send").click()
-    wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".assistant .metrics[data-ttft-ms]")) == 2)
-    assert len(browser.find_elements(By.CSS_SELECTOR, ".user")) == 2
-    assert _wait_for_idle(http)["blocks_in_use"] == 0

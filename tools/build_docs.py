@@ -313,8 +313,8 @@ WORKSHOP_PLANS = [
         (45, [], "lunch"),
         (50, ["05b", "05c"], "the CPU's answer: C++ kernels, a matvec at the memory's pace, one call per decode step"),
         (45, ["06a", "06b"], "continuous batching: scheduler and engine"),
-        (40, ["07a", "07b", "07c"], "the API, the HTTP server and the command line; students benchmark their own "
-                                    "machine"),
+        (40, ["07a", "07b", "07c", "07d"], "the API, the HTTP server, the command line and the chat page; students "
+                                           "benchmark their own machine"),
         (15, [], "break"),
         (25, ["08"], "fewer bytes per weight: INT4 weights with AWQ's scales, and what they cost in perplexity"),
         (20, ["09"], "fewer bytes per cached token: a quantized KV cache"),
