@@ -22,7 +22,8 @@ import argparse, datetime, platform, statistics, subprocess, sys, time
 from pathlib import Path
 
 import torch
-from minfer.llm import LLM, decode_breakdown
+from minfer import LLM  # every chapter loaded: its weight formats, kernels and switches
+from minfer.llm import decode_breakdown
 from minfer.model import data_dir, default_model_dir, find_default_gguf, ModelConfig
 from minfer.awq import is_awq_folder, quantize_folder
 from minfer.roofline import weight_bytes_per_step, param_counts

@@ -20,7 +20,7 @@ proposer's time per call. Records benchmarks/eagle-tree-<date>.md and .json.
 import argparse, datetime, json, os, statistics, sys, time
 from pathlib import Path
 
-from minfer.llm import LLM
+from minfer import LLM  # every chapter loaded: its weight formats, kernels and switches
 from minfer.sequence import SamplingParams
 from minfer.speculative import SPECULATORS, speculative_config
 from minfer.eagle import default_head_dir, tree_depths, TreeDraft

@@ -11,7 +11,7 @@ import argparse, datetime, statistics, sys, tempfile, time
 from pathlib import Path
 
 import torch
-from minfer.llm import LLM
+from minfer import LLM  # every chapter loaded: its weight formats, kernels and switches
 from minfer.model import default_model_dir
 from minfer.engine import make_workload
 from minfer.families import tiny_random_model

@@ -19,7 +19,7 @@ import torch
 from minfer.model import NoCache, Tokenizer, default_model_dir, data_dir, load_model
 from minfer.awq import quantize_folder, load_awq_model
 from minfer.formats import quantize_format_folder, load_format_model
-from minfer.llm import LLM
+from minfer import LLM  # every chapter loaded: its weight formats, kernels and switches
 from minfer.sampling import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))

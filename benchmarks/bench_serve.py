@@ -148,7 +148,7 @@ def offline_throughput(llm, work):
 
 def overhead(url, model, args, concurrency, repeats=2):
     "Server vs engine alone on the same requests, alternating (A B A B, the server idle during A); medians."
-    from minfer.llm import LLM
+    from minfer import LLM
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs)
     work = make_prompts(concurrency, args.seed, args.prompt_median, args.prompt_max, args.out_min, args.out_max)
     offline_throughput(llm, work[:2])  # warm-up

@@ -10,7 +10,7 @@ import argparse, datetime, json, os, statistics, sys, time
 from pathlib import Path
 
 import torch
-from minfer.llm import LLM
+from minfer import LLM  # every chapter loaded: its weight formats, kernels and switches
 from minfer.model import data_dir
 from minfer.sequence import SamplingParams
 from minfer.speculative import SPECULATORS, speculative_config, step_times

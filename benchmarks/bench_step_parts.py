@@ -9,7 +9,7 @@ LM head, norms, RoPE + KV write + attention, SiLU x up). Needs the default EAGLE
 import argparse, datetime, statistics, sys, time
 from pathlib import Path
 import torch
-from minfer.llm import LLM
+from minfer import LLM  # every chapter loaded: its weight formats, kernels and switches
 from minfer.sequence import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -8,7 +8,7 @@ output token. `STEP_MAX_ROWS[float32]` (chosen by the CPU's vector width) should
 import argparse, datetime, os, statistics, sys
 from pathlib import Path
 import torch
-from minfer.llm import LLM
+from minfer import LLM  # every chapter loaded: its weight formats, kernels and switches
 from minfer.cpu_step import STEP_MAX_ROWS
 from minfer.model import data_dir
 from minfer.sequence import SamplingParams

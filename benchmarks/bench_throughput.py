@@ -17,7 +17,7 @@ import argparse, datetime, random, statistics, sys, time
 from pathlib import Path
 
 import torch
-from minfer.llm import LLM
+from minfer import LLM  # every chapter loaded: its weight formats, kernels and switches
 from minfer.model import default_model_dir, Tokenizer, ModelConfig, data_dir
 from minfer.engine import make_workload
 from minfer.sequence import SamplingParams

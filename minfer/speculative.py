@@ -226,11 +226,14 @@ def runner_signature(runner):
     shape = f"{c.num_hidden_layers}x{c.hidden_size}, vocab {c.vocab_size}, {str(m.dtype).removeprefix('torch.')}"
     return f"{shape}, {type(runner.attn).__name__}: {modules}"
 
-def measure_step_times(runner):
+def measure_step_times(runner, repeats=5):
     """This machine's curve for `runner`: a verify step's time against its rows, in one-row steps, at the rows of
-    `CALIBRATION_STEPS` -> (curve, seconds of a one-row step)."""
-    one_row = time_decode_step(runner, 1, 1)
-    curve = [(1, 1.0)] + [(n * r, round(time_decode_step(runner, n, r) / one_row, 3)) for n, r in CALIBRATION_STEPS[1:]]
+    `CALIBRATION_STEPS` -> (curve, seconds of a one-row step). The one-row step is timed first and last (the faster
+    counts), and a wider step is never cheaper than a narrower one: a dip is another job or the clock, not the step."""
+    seconds = [time_decode_step(runner, n, r, repeats=repeats) for n, r in CALIBRATION_STEPS]
+    one_row = min(seconds[0], time_decode_step(runner, 1, 1, repeats=repeats))
+    relative = np.maximum.accumulate(np.maximum(np.array(seconds) / one_row, 1.0))
+    curve = [(1, 1.0)] + [(n * r, round(float(t), 3)) for (n, r), t in zip(CALIBRATION_STEPS[1:], relative[1:])]
     return tuple(curve), one_row
 
 def calibration_path():

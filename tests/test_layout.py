@@ -137,3 +137,12 @@ def test_one_statement_per_line_in_the_library():
     found = {py.name: joined_statements(py.read_text()) for py in sorted(PKG.glob("*.py"))}
     assert not {k: v for k, v in found.items() if v}, found
     assert joined_statements("x = 1; y = 2\ns = 'a; b'  # c; d\n") == [1]  # the detector sees a real one, only it
+
+
+def test_benchmarks_run_every_chapter():
+    """A benchmark times the engine a user gets from `from minfer import LLM`, every chapter loaded: one that took
+    `LLM` from `minfer.llm` ran without chapter 08a's kernels, and timed AWQ int4 at 1.3 tok/s on the reference path
+    (108 with them)."""
+    partial = [p.name for p in sorted((ROOT / "benchmarks").glob("*.py"))
+               if re.search(r"^\s*from minfer\.llm import .*\bLLM\b", p.read_text(), re.M)]
+    assert not partial, f"these benchmarks import LLM from minfer.llm, not from minfer: {partial}"
