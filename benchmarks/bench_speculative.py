@@ -13,7 +13,7 @@ import torch
 from minfer import LLM  # every chapter loaded: its weight formats, kernels and switches
 from minfer.model import data_dir
 from minfer.sequence import SamplingParams
-from minfer.speculative import SPECULATORS, speculative_config, step_times
+from minfer.speculative import SPECULATORS, speculative_config, machine_step_times
 from minfer.roofline import measure_bandwidth, weight_bytes_per_step
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -103,7 +103,7 @@ def main(argv=None):
         res[w][str(b)][name] = dict(tokens_per_s=statistics.median(v), speedup=statistics.median(v) / base,
                                     per_repeat=paired, **stats[(name, w, b)])
     bw = measure_bandwidth()
-    curve, one_row = step_times(llm.engine.runner)
+    curve, one_row = machine_step_times(llm.engine.runner)
     floor = bw / weight_bytes_per_step(llm.model_config, "float32")
     lines = [f"# Speculative decoding (prompt lookup), medians of {a.repeats} alternating runs", "",
              f"- date: {datetime.datetime.now():%Y-%m-%d %H:%M}",

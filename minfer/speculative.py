@@ -8,7 +8,7 @@ Docs: https://minfer.github.io/minfer/speculative.html.md"""
 __all__ = ['PRIOR_ALPHA', 'STEP_TIMES', 'PRIOR_WEIGHT', 'CALIBRATION_STEPS', 'SPECULATORS', 'time_decode_step', 'median_seconds',
            'ngram_propose', 'Draft', 'NgramProposer', 'rejection_sample', 'expected_tokens', 'speculation_lengths',
            'step_time', 'RequestGuesses', 'count_verify', 'acceptance_rate', 'machine_name', 'runner_signature',
-           'measure_step_times', 'calibration_path', 'step_times', 'run_calibrate', 'SpeculativeConfig',
+           'measure_step_times', 'calibration_path', 'machine_step_times', 'run_calibrate', 'SpeculativeConfig',
            'speculative_config', 'processed_rows', 'Speculator', 'NgramSpeculator', 'DraftProposer', 'DraftSpeculator']
 
 # %% ../nbs/10a_speculative.ipynb #ec3acfc9
@@ -247,7 +247,7 @@ def _read_calibrations(path):
         return {}
     return table if isinstance(table, dict) else {}
 
-def step_times(runner, remeasure=False):
+def machine_step_times(runner, remeasure=False):
     """`measure_step_times` of `runner` on this machine, measured once and kept in `calibration_path()`, a JSON table
     keyed by `machine_name` and `runner_signature`; `remeasure`: measure again. -> (curve, one-row step seconds)"""
     path, key = calibration_path(), f"{machine_name(runner.model.device)} | {runner_signature(runner)}"
@@ -269,7 +269,7 @@ def step_times(runner, remeasure=False):
 def run_calibrate(args):
     "`minfer calibrate [switches]`: measure the engine's curve on this machine again and keep it."
     runner = LLM(**engine_switches(args)).engine.runner
-    curve, one_row = step_times(runner, remeasure=True)
+    curve, one_row = machine_step_times(runner, remeasure=True)
     print(f"{machine_name(runner.model.device)}\n{runner_signature(runner)}\none row: {one_row * 1e3:.1f} ms")
     for rows, t in curve:
         print(f"{rows:3d} rows: {t:5.2f} one-row steps")
@@ -425,7 +425,7 @@ class Speculator(Lookahead):
         # adaptive k weighs rows and guessing passes by what they cost on this machine: measured once, then cached
         self.curve, self.pass_cost = STEP_TIMES, 0.0
         if config.adaptive:
-            self.curve, one_row_seconds = step_times(engine.runner)
+            self.curve, one_row_seconds = machine_step_times(engine.runner)
             self.pass_cost = self.proposer.pass_seconds() / one_row_seconds
 
     def request(self, seq):

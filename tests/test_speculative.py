@@ -236,9 +236,9 @@ def test_adaptive_k_reads_this_machines_curve_measured_once(model_dir, tmp_path,
         m.setattr(sp, "measure_step_times", measured)
         assert LLM(model_dir, speculative="ngram").engine.lookahead.curve == curve
         with pytest.raises(AssertionError, match="measured again"):
-            sp.step_times(llm.engine.runner, remeasure=True)
+            sp.machine_step_times(llm.engine.runner, remeasure=True)
     (tmp_path / "step_times.json").write_text("{not json")
-    assert sp.step_times(llm.engine.runner)[0][0] == (1, 1.0)  # measured again, and the table written whole
+    assert sp.machine_step_times(llm.engine.runner)[0][0] == (1, 1.0)  # measured again, and the table written whole
     assert list(json.loads((tmp_path / "step_times.json").read_text())) == [key]
     # a fixed k measures nothing and reads the chapter's curve; a tree's budget is fixed by default
     fixed = LLM(model_dir, speculative={"method": "ngram", "adaptive": False}).engine.lookahead
