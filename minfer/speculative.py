@@ -57,6 +57,8 @@ def median_seconds(run, repeats=3):
     for _ in range(repeats + 1):
         t = time.perf_counter()
         run()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # a GPU returns before it has run the work: time it to the end
         times.append(time.perf_counter() - t)
     return statistics.median(times[1:])
 
