@@ -1,4 +1,4 @@
-"""Multiplying by AWQ's 4-bit codes where they are read: a CPU kernel that rounds the activations to 8 bits so that products become integer dot products (AVX-512 VNNI, AVX2), chapter 05c's one-call decode step over it, and a Triton W4A16 kernel; each checked against chapter 08's reference and registered in its `AWQ_KERNELS`.
+"""Multiplying by AWQ's 4-bit codes where they are read: integer dot products on a CPU, a Triton kernel on a GPU.
 
 Docs: https://minfer.github.io/minfer/awq_kernels.html.md"""
 
@@ -42,9 +42,14 @@ static inline int32_t load_i32(const int8_t* p) { int32_t v; std::memcpy(&v, p, 
 static inline float fp16_to_float(uint16_t h) {
   const uint32_t e = (h >> 10) & 31, m = h & 1023;
   float v;
-  if (e == 0) v = (float)m * 5.9604644775390625e-8f;  // subnormal: m * 2^-24
-  else if (e == 31) v = m ? NAN : INFINITY;
-  else { const uint32_t u = ((e + 112) << 23) | (m << 13); std::memcpy(&v, &u, 4); }
+  if (e == 0) {
+    v = (float)m * 5.9604644775390625e-8f;  // subnormal: m * 2^-24
+  } else if (e == 31) {
+    v = m ? NAN : INFINITY;
+  } else {
+    const uint32_t u = ((e + 112) << 23) | (m << 13);
+    std::memcpy(&v, &u, 4);
+  }
   return (h & 0x8000) ? -v : v;
 }
 
@@ -58,7 +63,9 @@ static void quantize_rows_q8(const T* x, int64_t n_blocks, int8_t* xq, float* st
   for (int64_t b = 0; b < n_blocks; ++b) {
     const T* xb = x + b * Q8_BLOCK;
     float amax = 0;
-    for (int64_t i = 0; i < Q8_BLOCK; ++i) amax = std::fmax(amax, std::fabs(Num<T>::load(xb[i])));
+    for (int64_t i = 0; i < Q8_BLOCK; ++i) {
+      amax = std::fmax(amax, std::fabs(Num<T>::load(xb[i])));
+    }
     const float inv = amax > 0 ? 127.0f / amax : 0.0f;
     int32_t sum = 0;
     for (int64_t i = 0; i < Q8_BLOCK; ++i) {
@@ -265,7 +272,8 @@ def awq_cpu_available():
     try:
         awq_cpu_kernels()
         return True
-    except (RuntimeError, OSError): return False
+    except (RuntimeError, OSError):
+        return False
 
 def matmul_q4x8(w, x, n_out, group_size):
     "`x W^T` for x [rows, n_in] (float32 or bfloat16, any rows) and W in `pack_q4x8`'s layout (`n_out` rows)."

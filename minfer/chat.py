@@ -1,4 +1,4 @@
-"""One HTML page at `/`: a conversation with chapter 07b's server, each answer streamed as it is written, and under it the numbers this course measures.
+"""One HTML page at `/`: a conversation with chapter 07b's server, streamed, with the numbers this course measures.
 
 Docs: https://minfer.github.io/minfer/chat.html.md"""
 
@@ -123,9 +123,13 @@ async function send(text) {
       while ((cut = buffer.indexOf("\\n\\n")) >= 0) {
         const line = buffer.slice(0, cut).trim();
         buffer = buffer.slice(cut + 2);
-        if (!line.startsWith("data:")) continue;
+        if (!line.startsWith("data:")) {
+          continue;
+        }
         const data = line.slice(5).trim();
-        if (data === "[DONE]") continue;
+        if (data === "[DONE]") {
+          continue;
+        }
         const chunk = JSON.parse(data);
         if (chunk.error) throw new Error(chunk.error.message);
         if (chunk.usage) usage = chunk.usage;

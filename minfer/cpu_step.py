@@ -193,7 +193,9 @@ void decode_step(T* x, const T* cos, const T* sin, const void* const* weights, T
     tick(2);
     Weights::matvec(weights[p + 1], h.data(), qkv.data(), rows, hidden, qkv_n, group);
     tick(0);
-    if (weights[p + 6]) add_bias<T>(qkv.data(), W(p + 6), rows, qkv_n);  // q/k/v biases, where a family has them (chapter 12a)
+    if (weights[p + 6]) {  // q/k/v biases (chapter 12a's families)
+      add_bias<T>(qkv.data(), W(p + 6), rows, qkv_n);
+    }
     if (weights[p + 7])  // an RMSNorm over each q head, then each k head, in place (chapter 12a)
       for (int64_t r = 0; r < rows; ++r) {
         T* row = qkv.data() + r * qkv_n;
