@@ -505,6 +505,10 @@ def awq_bytes_per_token(cfg, group_size=64, dtype="bfloat16"):
     lm_head = cfg.vocab_size * cfg.hidden_size
     return (p["attention"] + p["mlp"]) * per_weight + (p["norms"] + lm_head) * DTYPE_BYTES[dtype]
 
+# chapter 00b's table of bytes per weight: 4-bit codes, their group scales and zeros left out (`awq_bytes_per_token`
+# counts those)
+DTYPE_BYTES.register("int4", AWQ_BITS / 8)
+
 # %% ../nbs/08_awq.ipynb #a6a6f002
 # AWQ runs none of a model's `BEHAVIOURS` (its scales fold into plain norms and bias-free projections): a later
 # chapter whose behaviour it runs pairs it with this path
@@ -577,15 +581,15 @@ COMMANDS.register("quantize", Command(
 
 # %% ../nbs/08_awq.ipynb #d382bb9b
 @torch.no_grad()
-def perplexity(model, token_ids, window=256):
-    "exp(mean -log p(token | the earlier tokens of its window)) over `token_ids`, in windows of `window` predictions."
+def perplexity(model, token_ids, chunk=256):
+    "exp(mean -log p(token | the earlier tokens of its chunk)) over `token_ids`, in chunks of `chunk` predictions."
     ids = torch.as_tensor(list(token_ids), dtype=torch.long)
     if len(ids) < 2: raise ValueError("perplexity needs at least two tokens")
     nll, count = 0.0, 0
-    for start in range(0, len(ids) - 1, window):
-        chunk = ids[start:start + window + 1].to(model.device)
-        positions = torch.arange(len(chunk) - 1, device=chunk.device)
-        logprobs = model(chunk[:-1], positions, NoCache()).float().log_softmax(-1)
-        nll -= logprobs.gather(-1, chunk[1:, None]).sum().item()
-        count += len(chunk) - 1
+    for start in range(0, len(ids) - 1, chunk):
+        piece = ids[start:start + chunk + 1].to(model.device)
+        positions = torch.arange(len(piece) - 1, device=piece.device)
+        logprobs = model(piece[:-1], positions, NoCache()).float().log_softmax(-1)
+        nll -= logprobs.gather(-1, piece[1:, None]).sum().item()
+        count += len(piece) - 1
     return math.exp(nll / count)

@@ -359,8 +359,9 @@ class CpuAttention(PagedAttention):
     sequence's blocks in place, in fp32 (a row with its own key list, `row_keys`, through `decode_tables`).
     Prefill chunks and mixed steps use chapter 03's path."""
     devices, dtypes = ("cpu",), ("float32", "bfloat16")  # and a C++ compiler (`can_fuse`)
-    def __call__(self, layer, q, k, v, **window_softcap):
-        if window_softcap: return super().__call__(layer, q, k, v, **window_softcap)  # chapter 03's path (12a)
+    def __call__(self, layer, q, k, v, variant=None):
+        if variant is not None:  # a layer that attends its own way (`AttentionVariant`): chapter 03's path
+            return super().__call__(layer, q, k, v, variant)
         m, (k_pool, v_pool) = self.bound_meta(), (self.cache.k[layer], self.cache.v[layer])
         rows_ok = q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and k.stride(0) == v.stride(0) and q.stride(1) == k.stride(1) == v.stride(1) == q.shape[-1]
         decode = m.max_seqlen_q == 1 and q.shape[0] == len(m.seq_lens)

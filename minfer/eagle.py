@@ -38,7 +38,7 @@ from .cpu_step import StepLlama, cpu_step_kernels, step_call, weight_table
 # %% ../nbs/10b_eagle.ipynb #e0b3
 def head_config(target_cfg):
     "The head's decoder layer: one layer of the target's own shape (heads, widths, RoPE), no window, no experts."
-    return replace(target_cfg, num_hidden_layers=1, layer_ropes=(), layer_windows=(), moe_layers=(), local_rope=None)
+    return replace(target_cfg, num_hidden_layers=1, layer_ropes=(), layer_attention=(), layer_mlps=(), local_rope=None)
 
 class EagleHead(nn.Module):
     """EAGLE-1's draft head: g[t] = layer(fc(cat(embed(x[t+1]), f[t]))) predicts the target's feature f[t+1]; its

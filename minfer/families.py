@@ -6,17 +6,20 @@ Docs: https://minfer.github.io/minfer/families.html.md"""
 
 # %% auto #0
 __all__ = ['TINY', 'PUBLIC_MODELS', 'tiny_random_model', 'LinearRope', 'Llama3Rope', 'LongRope', 'sequence_lengths',
-           'layer_kinds', 'windows', 'describe_mistral', 'describe_qwen2', 'describe_qwen3', 'describe_gemma2',
-           'describe_gemma3', 'describe_phi3', 'describe_smollm3', 'kv_bytes_read', 'weight_bytes']
+           'PartialRope', 'partial_rope', 'SoftCap', 'soft_cap', 'FamilyAttention', 'layer_attention',
+           'family_attention', 'layer_windows', 'QKNormAttention', 'layer_kinds', 'windows', 'windowed',
+           'describe_mistral', 'describe_qwen2', 'describe_qwen3', 'describe_gemma2', 'describe_gemma3',
+           'describe_phi3', 'describe_smollm3', 'kv_bytes_read', 'weight_bytes']
 
 # %% ../nbs/12a_families.ipynb #4661e795
 import json, math
+from dataclasses import dataclass
 from pathlib import Path
 import torch
 import torch.nn.functional as F
 from .model import (MODEL_FAMILIES, ROPE_SCALINGS, HF_ACTIVATIONS, ACTIVATIONS, BEHAVIOURS, Behaviour, Family,
-                          RopeSpec, ModelConfig, RotaryEmbedding, rope_inv_freq, rope_spec, describe_llama,
-                          default_model_dir, runs_behaviours)
+                          RopeSpec, ModelConfig, RotaryEmbedding, AttentionVariant, attend, rope_inv_freq, rope_spec,
+                          describe_llama, default_model_dir, runs_behaviours, Attention, ATTENTION_MODULES, RMSNorm)
 from .roofline import param_counts
 
 # %% ../nbs/12a_families.ipynb #a70592da
@@ -85,7 +88,7 @@ class LongRope(RotaryEmbedding):
     def __init__(self, dim, base, max_positions, spec=None):
         super().__init__(dim, base, max_positions, spec)
         self.switch_at = self.spec.original_max_position_embeddings
-        dim = int(dim * self.spec.partial_rotary_factor)
+        dim = self.spec.rotated_dims(dim)
         inv_freq, scale = self.frequencies(dim, self.spec.long_factor)
         for name, t in zip(("long_cos", "long_sin"), self.table(inv_freq, scale)):
             self.register_buffer(name, t, persistent=False)
@@ -120,8 +123,75 @@ def sequence_lengths(attention):
     return lens.repeat_interleave(meta.cu_seqlens_q.diff().long())
 
 ROPE_SCALINGS.update(linear=LinearRope, llama3=Llama3Rope, longrope=LongRope)
+
+@dataclass(frozen=True)
+class PartialRope(RopeSpec):
+    "A RoPE table (any scaling) that turns only the first `partial_rotary_factor` of each head's dimensions (Phi)."
+    partial_rotary_factor: float = 1.0
+
+    def rotated_dims(self, head_dim):
+        return int(head_dim * self.partial_rotary_factor)
+
+def partial_rope(d, spec):
+    """`spec`, turning the share of each head that `config.json` `d` gives (`partial_rotary_factor`, top level or in its
+    RoPE entry); `spec` itself where that is all of it."""
+    p = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    share = float(p.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
+    return spec if share == 1 else PartialRope(**vars(spec), partial_rotary_factor=share)
 HF_ACTIVATIONS.update(gelu_pytorch_tanh="gelu_tanh", gelu_tanh="gelu_tanh")
 ACTIVATIONS.register("gelu_tanh", lambda x: F.gelu(x, approximate="tanh"))  # GeGLU's gate (Gemma)
+
+# %% ../nbs/12a_families.ipynb #1daa9b1b
+@dataclass(frozen=True)
+class SoftCap:
+    "x -> cap * tanh(x / cap): scores (or logits) squeezed smoothly into (-cap, cap)."
+    cap: float
+
+    def __call__(self, x):
+        return torch.tanh(x / self.cap) * self.cap
+
+def soft_cap(cap):
+    "A `SoftCap`, or None where `cap` is unset (config.json writes null or leaves it out)."
+    return None if not cap else SoftCap(float(cap))
+
+@dataclass(frozen=True)
+class FamilyAttention(AttentionVariant):
+    """A layer's attention in these families: a query sees the last `window` positions, itself included (None: every
+    earlier one), and its scores are soft-capped at `softcap` (None: they are not)."""
+    window: int | None = None
+    softcap: float | None = None
+
+    @property
+    def changes_scores(self):
+        return self.softcap is not None
+
+    def first_key(self, position):
+        return 0 if self.window is None else max(0, position - self.window + 1)
+
+    def scores(self, s):
+        return SoftCap(self.softcap)(s)
+
+def layer_attention(windows, softcap=None):
+    "Per layer: a `FamilyAttention` for a window W (or every layer, if `softcap`), None for a plain layer."
+    return tuple(None if w is None and not softcap else FamilyAttention(w, softcap or None) for w in windows)
+
+def family_attention(cfg):
+    "The `FamilyAttention` layers of `cfg`'s model."
+    return [a for a in cfg.layer_attention if isinstance(a, FamilyAttention)]
+
+def layer_windows(cfg):
+    "Per layer: its window W, or None for a layer that sees every earlier position."
+    return tuple(getattr(a, "window", None) for a in cfg.layer_attention)
+
+# %% ../nbs/12a_families.ipynb #5fa3aab6
+class QKNormAttention(Attention):
+    "`Attention` with an RMSNorm over each q and each k head before RoPE (Qwen3, Gemma 3)."
+    def __init__(self, cfg, layer=0):
+        super().__init__(cfg, layer)
+        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+
+ATTENTION_MODULES.register("qk_norm", QKNormAttention)
 
 # %% ../nbs/12a_families.ipynb #8dd75490
 def layer_kinds(d, default):
@@ -137,23 +207,28 @@ def windows(d, kinds):
     w = d.get("sliding_window")
     return tuple(w if k == "sliding_attention" and w else None for k in kinds)
 
+def windowed(d, kinds, softcap=None):
+    "`layer_attention` for layers of `kinds`: `windows` and soft-capped scores as `FamilyAttention`s."
+    return layer_attention(windows(d, kinds), softcap)
+
 def describe_mistral(d):
     "Mistral (and Mixtral's attention): Llama with every layer sliding when `sliding_window` is set."
-    return dict(rope=rope_spec(d), layer_windows=windows(d, layer_kinds(d, lambda i: True)))
+    return dict(rope=rope_spec(d), layer_attention=windowed(d, layer_kinds(d, lambda i: True)))
 
 def _qwen_windows(d):
     "Qwen2/3: sliding only if `use_sliding_window`, and then the layers from `max_window_layers` on."
     if not d.get("use_sliding_window", False): return None
-    return windows(d, layer_kinds(d, lambda i: i >= d.get("max_window_layers", 28)))
+    return windowed(d, layer_kinds(d, lambda i: i >= d.get("max_window_layers", 28)))
 
 def describe_qwen2(d):
     "Qwen2 / Qwen2.5: biases on q, k and v (not on the output projection)."
-    return dict(rope=rope_spec(d), qkv_bias=True, layer_windows=_qwen_windows(d) or ())
+    return dict(rope=rope_spec(d), qkv_bias=True, layer_attention=_qwen_windows(d) or ())
 
 def describe_qwen3(d):
     "Qwen3: no biases (unless `attention_bias`), an RMSNorm over every q and k head before RoPE."
     bias = bool(d.get("attention_bias", False))
-    return dict(rope=rope_spec(d), qk_norm=True, qkv_bias=bias, o_bias=bias, layer_windows=_qwen_windows(d) or ())
+    return dict(rope=rope_spec(d), attention_module="qk_norm", qkv_bias=bias, o_bias=bias,
+                layer_attention=_qwen_windows(d) or ())
 
 def _gemma(d, default_sliding):
     "What Gemma 2 and 3 share: offset norms, scaled embeddings, GeGLU, sandwich norms, their own attention scale."
@@ -161,8 +236,9 @@ def _gemma(d, default_sliding):
     kinds = layer_kinds(d, default_sliding)
     return kinds, dict(norm_offset=1.0, embed_scale=d["hidden_size"] ** 0.5, sandwich_norms=True, qkv_bias=bias,
                        o_bias=bias, query_scale=d.get("query_pre_attn_scalar", 256) ** -0.5,
-                       attn_softcap=d.get("attn_logit_softcapping"), final_softcap=d.get("final_logit_softcapping"),
-                       tie_word_embeddings=d.get("tie_word_embeddings", True), layer_windows=windows(d, kinds))
+                       tie_word_embeddings=d.get("tie_word_embeddings", True),
+                       layer_attention=windowed(d, kinds, d.get("attn_logit_softcapping")),
+                       logits_transform=soft_cap(d.get("final_logit_softcapping")))
 
 def describe_gemma2(d):
     "Gemma 2: the Gemma traits, soft-capped attention scores and logits, sliding and global layers alternating."
@@ -180,12 +256,12 @@ def describe_gemma3(d):
     else:
         glob = rope_spec(d, dict(d.get("rope_scaling") or {}, rope_theta=d.get("rope_theta", 1e6)))
         loc = RopeSpec(float(d.get("rope_local_base_freq", 10000.0)))
-    return dict(kw, qk_norm=True, rope=glob, local_rope=loc,
+    return dict(kw, attention_module="qk_norm", rope=glob, local_rope=loc,
                 layer_ropes=tuple(1 if k == "sliding_attention" else 0 for k in kinds))
 
 def describe_phi3(d):
     "Phi-3 / Phi-4-mini: q/k/v and gate/up already fused in the checkpoint, RoPE on part of each head, LongRoPE."
-    return dict(rope=rope_spec(d), layer_windows=windows(d, layer_kinds(d, lambda i: True)))
+    return dict(rope=partial_rope(d, rope_spec(d)), layer_attention=windowed(d, layer_kinds(d, lambda i: True)))
 
 def describe_smollm3(d):
     "SmolLM3: Llama without RoPE on every `no_rope_layer_interval`-th layer (`no_rope_layers[i]` = 0 there)."
@@ -193,7 +269,7 @@ def describe_smollm3(d):
     uses = d.get("no_rope_layers") or [int((i + 1) % every != 0) for i in range(n)]
     kinds = layer_kinds(d, lambda i: bool(d.get("use_sliding_window")) and not uses[i])
     return dict(describe_llama(d), layer_ropes=tuple(0 if u else None for u in uses),
-                layer_windows=windows(d, kinds) if d.get("use_sliding_window") else ())
+                layer_attention=windowed(d, kinds) if d.get("use_sliding_window") else ())
 
 for name, describe, about in (
         ("mistral", describe_mistral, "Mistral 7B: sliding-window attention"),
@@ -207,17 +283,18 @@ for name, describe, about in (
 
 # what the families do beyond Llama, as `ModelConfig.behaviours()` names it (chapter 00a's `BEHAVIOURS`)
 BEHAVIOURS.update(
-    qk_norm=Behaviour(lambda cfg: cfg.qk_norm, "an RMSNorm over each q and k head before RoPE"),
+    qk_norm=Behaviour(lambda cfg: cfg.attention_module == "qk_norm", "an RMSNorm over each q and k head before RoPE"),
     norm_offset=Behaviour(lambda cfg: cfg.norm_offset != 0, "norms that scale by offset + w"),
     embed_scale=Behaviour(lambda cfg: cfg.embed_scale != 1, "scaled embeddings"),
     sandwich_norms=Behaviour(lambda cfg: cfg.sandwich_norms, "norms after attention and after the MLP as well"),
-    attn_softcap=Behaviour(lambda cfg: cfg.attn_softcap is not None, "soft-capped attention scores"),
-    final_softcap=Behaviour(lambda cfg: cfg.final_softcap is not None, "soft-capped logits"),
+    attn_softcap=Behaviour(lambda cfg: any(a.softcap for a in family_attention(cfg)), "soft-capped attention scores"),
+    final_softcap=Behaviour(lambda cfg: isinstance(cfg.logits_transform, SoftCap), "soft-capped logits"),
     query_scale=Behaviour(lambda cfg: cfg.query_scale is not None, "an attention scale of its own"),
     local_rope=Behaviour(lambda cfg: cfg.local_rope is not None, "a second RoPE table for some layers"),
     layer_ropes=Behaviour(lambda cfg: None in cfg.layer_ropes, "layers without RoPE"),
-    sliding_window=Behaviour(lambda cfg: any(w is not None for w in cfg.layer_windows), "sliding-window layers"),
-    partial_rotary=Behaviour(lambda cfg: cfg.rope.partial_rotary_factor != 1, "RoPE on part of each head"))
+    sliding_window=Behaviour(lambda cfg: any(a.window for a in family_attention(cfg)), "sliding-window layers"),
+    partial_rotary=Behaviour(lambda cfg: cfg.rope.rotated_dims(cfg.head_dim) != cfg.head_dim,
+                             "RoPE on part of each head"))
 # the paths that run only some behaviours and run these: the one-call step (chapter 05c) normalises q and k heads
 # and reads norms whose offset is folded into their weights; int4 KV (09) reads keys as every layer does, so it runs
 # all but what changes how attention reads them
@@ -230,7 +307,7 @@ def kv_bytes_read(cfg, context, kv_dtype="bfloat16"):
     """K/V bytes one decode step reads for a token at position `context`, all layers: a full layer reads every earlier
     token's K and V, a sliding layer at most its window's."""
     per_token = 2 * cfg.num_key_value_heads * cfg.head_dim * getattr(torch, kv_dtype).itemsize
-    return per_token * sum(context if w is None else min(context, w) for w in cfg.layer_windows)
+    return per_token * sum(context if w is None else min(context, w) for w in layer_windows(cfg))
 
 def weight_bytes(cfg, dtype="bfloat16"):
     "Bytes of every weight a decode step reads (chapter 00b's count: the embedding only as rows, the LM head in full)."
@@ -241,7 +318,7 @@ def _public(vocab, hidden, inter, layers, heads, kv, head_dim, tied, window=None
     "A public model's numbers; `window` on all layers, or on all but every `every`-th (Gemma 3's 5 : 1)."
     windows = tuple(None if window is None or (every and (i + 1) % every == 0) else window for i in range(layers))
     return ModelConfig(vocab, hidden, inter, layers, heads, kv, head_dim, tie_word_embeddings=tied,
-                       layer_windows=windows)
+                       layer_attention=layer_attention(windows))
 
 # from each model's config.json (typed in, nothing downloaded)
 PUBLIC_MODELS = {

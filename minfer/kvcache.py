@@ -19,12 +19,12 @@ class ContiguousKVCache:
         self.k, self.v = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
         self.length, self.max_len = 0, max_len
 
-    def __call__(self, layer, q, k, v, window=None, softcap=None):
+    def __call__(self, layer, q, k, v, variant=None):
         start, end = self.length, self.length + q.shape[0]
         if end > self.max_len: raise ValueError(f"KV cache full: {end} tokens > max_len {self.max_len}")
         self.k[layer, start:end], self.v[layer, start:end] = k, v
-        lo = 0 if window is None else max(0, start - window + 1)  # a sliding-window layer reads only its window
-        return attend(q, self.k[layer, lo:end], self.v[layer, lo:end], window, softcap)
+        lo = 0 if variant is None else variant.first_key(start)  # a layer that sees less of the past reads less
+        return attend(q, self.k[layer, lo:end], self.v[layer, lo:end], variant, lo)
 
     def advance(self, n): self.length += n
 

@@ -24,6 +24,10 @@ from .cpu_kernels import CPU_KERNELS_SOURCE, CpuAttention, build_cpu_kernels, lo
 from .flash import TritonAttention, split_kv_decode  # before triton: without a GPU it picks Triton's interpreter
 import triton
 import triton.language as tl
+from .roofline import DTYPE_BYTES
+
+# chapter 00b's bytes per value: K and V in one byte each (a format's scales are counted by its `block_bytes`)
+DTYPE_BYTES.register("int8", 1)
 
 # %% ../nbs/09_kvquant.ipynb #db1a176a
 @dataclass(frozen=True)
@@ -238,10 +242,11 @@ def kv_cpu_kernels():
 class QuantizedCpuAttention(CpuAttention):
     """Chapter 05b's `CpuAttention` that also reads an int8 pool in one C++ call per layer (`paged_decode_q8`); every
     other step goes where 05b sends it."""
-    def __call__(self, layer, q, k, v, **window_softcap):
+    def __call__(self, layer, q, k, v, variant=None):
         m, c = self.bound_meta(), self.cache
-        if window_softcap or c.k[layer].dtype != torch.int8 or m.max_seqlen_q != 1 or q.shape[0] != len(m.seq_lens):
-            return super().__call__(layer, q, k, v, **window_softcap)
+        one_row_each = m.max_seqlen_q == 1 and q.shape[0] == len(m.seq_lens)
+        if variant is not None or c.k[layer].dtype != torch.int8 or not one_row_each:
+            return super().__call__(layer, q, k, v, variant)
         c.store(layer, m.slot_mapping, k, v)  # the pool quantizes the new tokens
         q = q.contiguous()
         k_pool, v_pool, k_scale, v_scale = c.k[layer], c.v[layer], c.k_scale[layer], c.v_scale[layer]
@@ -567,11 +572,11 @@ def load_int4_tile(KV, block, offset, kv_head, offs_d, k_ok, d_ok, dtype: tl.con
     v = (((tl.load(V + at, mask=mask, other=0) >> nibble) & 15).to(tl.float32)
          * tl.load(V_scale + vz_at, mask=mask, other=0.0).to(tl.float32)
          + tl.load(V_zero + vz_at, mask=mask, other=0.0).to(tl.float32))
-    window = (tl.load(Full + block, mask=k_ok, other=1) == 0)[:, None] & mask
+    in_residual = (tl.load(Full + block, mask=k_ok, other=1) == 0)[:, None] & mask
     r_at = (tl.load(Res_of + block, mask=k_ok, other=0)[:, None] * stride_rb + offset[:, None] * stride_rs
             + kv_head * stride_rh + offs_d[None, :])
-    k = tl.where(window, tl.load(K_res + r_at, mask=window, other=0.0).to(tl.float32), k)
-    v = tl.where(window, tl.load(V_res + r_at, mask=window, other=0.0).to(tl.float32), v)
+    k = tl.where(in_residual, tl.load(K_res + r_at, mask=in_residual, other=0.0).to(tl.float32), k)
+    v = tl.where(in_residual, tl.load(V_res + r_at, mask=in_residual, other=0.0).to(tl.float32), v)
     return k.to(dtype), v.to(dtype)
 
 def decode_attention_int4(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, scale=None, block_n=None):

@@ -6,14 +6,15 @@ Docs: https://minfer.github.io/minfer/model.html.md"""
 
 # %% auto #0
 __all__ = ['DTYPES', 'GGUF_PACKAGE', 'GGUF_FILE', 'MODEL_FAMILIES', 'ROPE_SCALINGS', 'HF_ACTIVATIONS', 'ACTIVATIONS',
-           'QUANT_METHODS', 'BEHAVIOURS', 'RUN_BY', 'MLP_KINDS', 'WEIGHT_FORMATS', 'Registry', 'definition',
-           'unpermute_rope', 'find_default_gguf', 'convert_gguf', 'source_root', 'data_dir', 'default_model_dir',
-           'RopeSpec', 'ModelConfig', 'check_model_folder', 'Family', 'rope_inv_freq', 'check_rope_type', 'rope_spec',
-           'refuse_unsupported', 'describe_llama', 'Behaviour', 'runs_behaviours', 'refused_behaviours',
-           'check_behaviours', 'Tokenizer', 'compiled_chat_template', 'sandboxed_jinja', 'RMSNorm', 'RotaryEmbedding',
-           'Attention', 'MLP', 'DecoderLayer', 'Llama', 'rope_module', 'make_rope', 'load_model', 'read_checkpoint',
-           'checkpoint_params', 'attend', 'NoCache', 'PackedCausal', 'PackedLinear', 'can_pack', 'pack_weights',
-           'WeightFormat', 'register_weight_format']
+           'QUANT_METHODS', 'BEHAVIOURS', 'RUN_BY', 'ATTENTION_MODULES', 'MLP_KINDS', 'WEIGHT_FORMATS', 'Registry',
+           'definition', 'unpermute_rope', 'find_default_gguf', 'convert_gguf', 'source_root', 'data_dir',
+           'default_model_dir', 'RopeSpec', 'ModelConfig', 'check_model_folder', 'Family', 'rope_inv_freq',
+           'check_rope_type', 'rope_spec', 'refuse_unsupported', 'describe_llama', 'Behaviour', 'runs_behaviours',
+           'refused_behaviours', 'check_behaviours', 'Tokenizer', 'compiled_chat_template', 'sandboxed_jinja',
+           'RMSNorm', 'RotaryEmbedding', 'Attention', 'MLP', 'MLPSpec', 'layer_mlp', 'DecoderLayer', 'Llama',
+           'rope_module', 'make_rope', 'load_model', 'read_checkpoint', 'checkpoint_params', 'AttentionVariant',
+           'attend', 'NoCache', 'PackedCausal', 'PackedLinear', 'can_pack', 'pack_weights', 'WeightFormat',
+           'register_weight_format']
 
 # %% ../nbs/00a_model.ipynb #afc2d4da
 import collections.abc, dataclasses, datetime, functools, importlib.util, json, math, os, re
@@ -180,8 +181,8 @@ def default_model_dir():
 # %% ../nbs/00a_model.ipynb #55ec319b
 @dataclass(frozen=True)
 class RopeSpec:
-    """One table of rotary angles: base `theta`, the share of each head it turns (`partial_rotary_factor`), and how its
-    frequencies are rescaled for contexts longer than training's (`rope_type`, an entry of `ROPE_SCALINGS`)."""
+    """One table of rotary angles: base `theta`, how its frequencies are rescaled for contexts longer than training's
+    (`rope_type`, an entry of `ROPE_SCALINGS`), and how many of each head's dimensions it turns (`rotated_dims`)."""
     theta: float = 10000.0
     rope_type: str = "default"
     factor: float | None = None  # None: the scaling's own default
@@ -191,7 +192,10 @@ class RopeSpec:
     short_factor: tuple = ()
     long_factor: tuple = ()
     attention_factor: float | None = None
-    partial_rotary_factor: float = 1.0
+
+    def rotated_dims(self, head_dim):
+        "The dimensions of each head the table turns: all of them (chapter 12a's Phi turns part)."
+        return head_dim
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -213,29 +217,31 @@ class ModelConfig:
     rope: RopeSpec | None = None        # the RoPE table (None: plain RoPE of base `rope_theta`)
     local_rope: RopeSpec | None = None  # a second table, for the layers `layer_ropes` sends to it (Gemma 3)
     layer_ropes: tuple = ()             # per layer: 0 = `rope`, 1 = `local_rope`, None = no RoPE; () = all 0
-    layer_windows: tuple = ()           # per layer: None (sees every earlier token) or W (the last W, itself included)
+    layer_attention: tuple = ()         # per layer: None (plain causal) or an `AttentionVariant` (see `attend`)
     qkv_bias: bool = False              # biases on the q, k, v projections (Qwen2)
     o_bias: bool = False                # ... on the output projection
     mlp_bias: bool = False              # ... on the MLP's three projections
-    qk_norm: bool = False               # an RMSNorm over each q and k head before RoPE (Qwen3, Gemma 3)
+    attention_module: str = "plain"     # the layers' attention module: a name in `ATTENTION_MODULES`
     norm_offset: float = 0.0            # norms scale by (offset + w) (Gemma: 1); folded into the weights at load
     embed_scale: float = 1.0            # embeddings are multiplied by this (Gemma: sqrt(hidden_size))
     hidden_act: str = "silu"            # the MLP's gate: silu (SwiGLU) or gelu_tanh (GeGLU); see `ACTIVATIONS`
     sandwich_norms: bool = False        # norms after attention and after the MLP as well (Gemma 2 and 3)
-    attn_softcap: float | None = None   # attention scores s become cap * tanh(s / cap) (Gemma 2)
-    final_softcap: float | None = None  # ... and so do the logits
+    logits_transform: Callable | None = None  # a function the logits pass through last (chapter 12a's Gemma 2)
     query_scale: float | None = None    # attention's scale, where it is not head_dim ** -0.5 (Gemma)
-    num_experts: int = 0                # mixture of experts (chapter 12b): experts in each MoE layer
-    num_experts_per_tok: int = 0        # experts each token runs
-    moe_intermediate_size: int = 0      # each expert's MLP width
-    norm_topk_prob: bool = True         # rescale the chosen experts' router weights to sum to 1
-    moe_layers: tuple = ()              # the layers whose MLP is the mixture
+    layer_mlps: tuple = ()              # per layer: None (the dense `MLP`) or another kind's `MLPSpec`
 
     def __post_init__(self):
-        set_ = lambda k, v: object.__setattr__(self, k, v)
-        if self.rope is None: set_("rope", RopeSpec(self.rope_theta))
-        if not self.layer_ropes: set_("layer_ropes", (0,) * self.num_hidden_layers)
-        if not self.layer_windows: set_("layer_windows", (None,) * self.num_hidden_layers)
+        # a frozen dataclass fills its defaults that depend on other fields through object.__setattr__
+        if self.rope is None:
+            object.__setattr__(self, "rope", RopeSpec(self.rope_theta))
+        n = self.num_hidden_layers
+        for name, plain in (("layer_ropes", 0), ("layer_attention", None), ("layer_mlps", None)):
+            value = getattr(self, name)
+            # () or all plain: one plain entry per layer (also after `replace` changes the number of layers)
+            if all(v == plain for v in value):
+                object.__setattr__(self, name, (plain,) * n)
+            elif len(value) != n:
+                raise ValueError(f"{name} has {len(value)} entries for {n} layers")
 
     def behaviours(self):
         """What this model does beyond a plain Llama: the names of `BEHAVIOURS` present in it. A path that runs only
@@ -330,7 +336,7 @@ def check_rope_type(kind):
 
 def rope_spec(d, params=None):
     """The `RopeSpec` of `config.json` `d`, written either way: transformers 5's `rope_parameters` (or `params`, one
-    layer kind's entry of it) or the older `rope_theta` + `rope_scaling` (+ top-level `partial_rotary_factor`)."""
+    layer kind's entry of it) or the older `rope_theta` + `rope_scaling`."""
     p = dict(params if params is not None else (d.get("rope_parameters") or d.get("rope_scaling") or {}))
     kind = p.get("rope_type", p.get("type", "default"))
     if "mrope_section" in p: kind = "mrope"
@@ -342,8 +348,7 @@ def rope_spec(d, params=None):
                     low_freq_factor=float(p.get("low_freq_factor", 1.0)),
                     high_freq_factor=float(p.get("high_freq_factor", 4.0)),
                     original_max_position_embeddings=orig, short_factor=tuple(p.get("short_factor") or ()),
-                    long_factor=tuple(p.get("long_factor") or ()), attention_factor=p.get("attention_factor"),
-                    partial_rotary_factor=float(p.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))))
+                    long_factor=tuple(p.get("long_factor") or ()), attention_factor=p.get("attention_factor"))
 
 # the `quantization_config.quant_method`s a weight format reads: {name: what reads it}; the chapters that bring
 # quantized formats register theirs (chapter 08 AWQ's)
@@ -525,7 +530,7 @@ class RotaryEmbedding(nn.Module):
         "dim: the dimensions of each head it turns; max_positions: the positions its tables hold."
         super().__init__()
         self.spec, self.max_positions = spec or RopeSpec(base), max_positions
-        dim = int(dim * self.spec.partial_rotary_factor)
+        dim = self.spec.rotated_dims(dim)
         for name, t in zip(("cos", "sin"), self.table(*self.frequencies(dim))):
             self.register_buffer(name, t, persistent=False)
     def frequencies(self, dim):
@@ -544,7 +549,8 @@ class RotaryEmbedding(nn.Module):
     def rotate(x, cos, sin):  # x: [T, heads, head_dim]; x * cos + rotate_half(x) * sin, rounded as transformers does
         r = cos.shape[-1]
         if r == x.shape[-1]: return x * cos + x.roll(r // 2, -1) * sin
-        return torch.cat([x[..., :r] * cos + x[..., :r].roll(r // 2, -1) * sin, x[..., r:]], -1)  # partial rotary
+        # a table narrower than the head turns its first r dimensions and leaves the rest
+        return torch.cat([x[..., :r] * cos + x[..., :r].roll(r // 2, -1) * sin, x[..., r:]], -1)
 
 ROPE_SCALINGS.register("default", RotaryEmbedding)
 
@@ -552,18 +558,19 @@ ROPE_SCALINGS.register("default", RotaryEmbedding)
 class Attention(nn.Module):
     """Q/K/V projections (fused into one matmul) and the output projection; the attention itself is the caller's.
     What a family adds (chapter 12a) is read from `cfg`: biases, a norm over each q and k head, RoPE on part of each
-    head or none, another attention scale; a layer's window and soft-cap are passed on to the caller's attention."""
+    head or none, another attention scale; a layer's `AttentionVariant` is passed on to the caller's attention."""
     def __init__(self, cfg, layer=0):
         super().__init__()
         self.n_q, self.n_kv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.n_q + 2 * self.n_kv) * self.d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.n_q * self.d, cfg.hidden_size, bias=cfg.o_bias)
-        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # norms over each q and each k head before RoPE: none here (chapter 12a's subclass has them)
+        self.q_norm = self.k_norm = None
         # another scale than SDPA's head_dim ** -0.5: folded into q (the cached keys are unchanged)
         self.q_scale = None if cfg.query_scale is None else cfg.query_scale / self.d ** -0.5
-        window, softcap = cfg.layer_windows[layer], cfg.attn_softcap
-        self.attn_kwargs = {k: v for k, v in (("window", window), ("softcap", softcap)) if v is not None}
+        variant = cfg.layer_attention[layer]
+        # a plain layer calls attention(layer, q, k, v): the simplest attentions take no variant
+        self.attn_kwargs = {} if variant is None else {"variant": variant}
     def checkpoint_tensors(self, prefix, take, names):
         "q, k, v projections fused into one (weights, and biases where it has them), unless the checkpoint fused them."
         kinds = ("weight", "bias") if self.qkv_proj.bias is not None else ("weight",)
@@ -595,18 +602,36 @@ class MLP(nn.Module):
         gate, up = self.gate_up_proj(x).chunk(2, -1)
         return self.down_proj(self.act(gate) * up)
 
-# the MLP of a layer: "dense" here, "moe" (a mixture of experts) from chapter 12b
+class MLPSpec:
+    """A layer's MLP other than the dense one, as its config describes it (a dense layer has None in `layer_mlps`):
+    `kind` names its module in `MLP_KINDS`, built as MLP_KINDS[kind](cfg, spec); `parameters(cfg)` counts its weights
+    (chapter 00b's bytes per step read it). Chapter 12b's mixture of experts is one."""
+    kind = None
+
+    def parameters(self, cfg):
+        raise NotImplementedError
+
+# the layers' attention module by name, built as ATTENTION_MODULES[name](cfg, layer): "plain" here; chapter 12a adds one
+ATTENTION_MODULES = Registry("attention_module", nn.Module)
+ATTENTION_MODULES.register("plain", Attention)
+
+# a layer's MLP module by kind: "dense" here (built as MLP(cfg)); chapter 12b adds one
 MLP_KINDS = Registry("mlp", nn.Module)
 MLP_KINDS.register("dense", MLP)
+
+def layer_mlp(cfg, layer):
+    "The MLP module of `layer`: the dense one, or its `MLPSpec`'s kind."
+    spec = cfg.layer_mlps[layer]
+    return MLP(cfg) if spec is None else MLP_KINDS[spec.kind](cfg, spec)
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg, layer):
         super().__init__()
         self.layer = layer
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = ATTENTION_MODULES[cfg.attention_module](cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP_KINDS["moe" if layer in cfg.moe_layers else "dense"](cfg)
+        self.mlp = layer_mlp(cfg, layer)
         self.sandwich = cfg.sandwich_norms  # Gemma: post_attention_layernorm normalises attention's output instead
         if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -658,8 +683,8 @@ class Llama(nn.Module):
         for layer in self.layers: x = layer(x, *tables[layer.layer], attention)
         if logits_rows is not None: x = x[logits_rows]
         logits = self.lm_head(self.norm(x)).float()
-        cap = self.cfg.final_softcap
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        transform = self.cfg.logits_transform
+        return logits if transform is None else transform(logits)
 
 def rope_module(spec, dim, max_positions):
     "The RoPE tables of `spec` over `dim` dimensions of each head: its `ROPE_SCALINGS` class."
@@ -722,28 +747,46 @@ def checkpoint_params(model, sd, folder):
     return params
 
 # %% ../nbs/00a_model.ipynb #05f65609
-def attend(q, k, v, window=None, softcap=None):
+class AttentionVariant:
+    """How one layer's attention departs from plain causal attention (a plain layer has None in `layer_attention`):
+    a query at position p sees the keys from `first_key(p)` to p, and where `changes_scores`, `scores` changes its
+    scaled scores before the mask and the softmax. Every attention path takes a layer's variant and, for such a
+    layer, reads only the keys from `first_key` on and attends through `attend`. Chapter 12a's families subclass it."""
+    changes_scores = False
+
+    def first_key(self, position):
+        "The earliest key position a query at `position` sees."
+        return 0
+
+    def scores(self, s):
+        "Scores [..., T, S] (q . k, scaled) -> the scores the softmax reads."
+        return s
+
+def attend(q, k, v, variant=None, key_start=0):
     """Causal attention of the last T = q.shape[0] positions of one sequence. q: [T, Hq, D]; k, v: [S, Hkv, D], S >= T,
-    the S positions that end with the last query's. window: a query sees only the last `window` positions, itself
-    included (so k may start window - 1 positions before the first query); softcap: a score s becomes
-    softcap * tanh(s / softcap) before the softmax (chapter 12a's families)."""
+    the S positions that end with the last query's, the first of them at position `key_start`. `variant`: the layer's
+    `AttentionVariant` (None: plain causal attention)."""
     T, S = q.shape[0], k.shape[0]
     q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))  # [1, heads, len, D]: SDPA's fused CPU kernel wants 4-D
-    if window is None and softcap is None and (T == S or T == 1):  # the whole sequence, or one token that sees all
+    if variant is None and (T == S or T == 1):  # the whole sequence, or one token that sees all
         o = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=True)
         return o[0].transpose(0, 1)
     mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)  # query i sees keys up to S - T + i
-    if window is not None: mask = mask.triu(S - T - window + 1)            # ... and none window or more before it
-    if softcap is None: o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    else:  # SDPA has no soft-cap: the scores written out, as transformers' eager attention computes them
+    if variant is not None:  # ... and none before its variant's first key
+        first = [variant.first_key(key_start + S - T + i) - key_start for i in range(T)]
+        mask &= torch.arange(S, device=q.device) >= torch.tensor(first, device=q.device)[:, None]
+    if variant is None or not variant.changes_scores:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    else:  # SDPA takes no function of the scores: the scores written out, as transformers' eager attention does
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
-        s = torch.tanh((q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5 / softcap) * softcap
+        s = variant.scores((q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5)
         o = torch.softmax(s.masked_fill(~mask, float("-inf")), -1, dtype=torch.float32).to(q.dtype) @ v
     return o[0].transpose(0, 1)
 
 class NoCache:
     "The simplest attention: the tokens passed in are the whole sequence; nothing is remembered."
-    def __call__(self, layer, q, k, v, **kw): return attend(q, k, v, **kw)
+    def __call__(self, layer, q, k, v, variant=None):
+        return attend(q, k, v, variant)
 
 class PackedCausal:
     """`NoCache` for `batch` sequences of `length` tokens each, packed as rows [batch * length] of one forward pass:
@@ -760,10 +803,10 @@ class PackedCausal:
         "The inverse of `split`."
         return o.transpose(1, 2).reshape(self.batch * self.length, o.shape[1], o.shape[3])
 
-    def __call__(self, layer, q, k, v, **kw):
-        if kw:  # a layer's own way to attend (chapter 12a's windows, soft-caps): each sequence through `attend`
+    def __call__(self, layer, q, k, v, variant=None):
+        if variant is not None:  # a layer's own way to attend (`AttentionVariant`): each sequence through `attend`
             L = self.length
-            return torch.cat([attend(q[i:i + L], k[i:i + L], v[i:i + L], **kw) for i in range(0, len(q), L)])
+            return torch.cat([attend(q[i:i + L], k[i:i + L], v[i:i + L], variant) for i in range(0, len(q), L)])
         q, k, v = (self.split(x) for x in (q, k, v))
         return self.join(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
 

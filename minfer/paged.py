@@ -237,14 +237,14 @@ class PagedAttention:
     devices, dtypes = ("cpu", "cuda"), ("float32", "bfloat16", "float16")
 
     def __init__(self, cache):
-        self.cache, self._meta, self.plan, self.window_plans = cache, None, None, {}
+        self.cache, self._meta, self.plan, self.variant_plans = cache, None, None, {}
 
     def bind(self, meta):
         """This backend for one step's batch `meta`: what the model takes as its `attention` for that step. The
         step's batch travels with the call, never left on the shared backend; the plans are made by the first layer
         that needs them and used by all of the step's layers."""
         step = copy.copy(self)
-        step._meta, step.plan, step.window_plans = meta, None, {}
+        step._meta, step.plan, step.variant_plans = meta, None, {}
         return step
 
     @property
@@ -259,12 +259,12 @@ class PagedAttention:
                                "backend.bind(meta), not the backend")
         return self._meta
 
-    def __call__(self, layer, q, k, v, window=None, softcap=None):
+    def __call__(self, layer, q, k, v, variant=None):
         meta = self.bound_meta()
         self.cache.store(layer, meta.slot_mapping, k, v)
-        if window is None and softcap is None:
+        if variant is None:
             return self.attention(q, *self.cache.layer(layer), meta)
-        return self.attention_masked(q, *self.cache.layer(layer), meta, window, softcap)
+        return self.attention_masked(q, *self.cache.layer(layer), meta, variant)
 
     def make_plan(self, meta, bs):
         """Which rows attend to which cache slots — the same in every layer, so worked out once per step.
@@ -319,25 +319,25 @@ class PagedAttention:
         "A prefill chunk's rows `q` over the keys at `slots` of the flat pools (a hook: how a chunk reads the pool)."
         return attend(q, take(k_flat, slots).to(q.dtype), take(v_flat, slots).to(q.dtype))
 
-    def attention_masked(self, q, k_cache, v_cache, meta, window, softcap):
-        """A layer with a sliding window or a soft-cap (chapter 12a's families), under every backend: each sequence's
-        rows through `attend`, reading only the keys inside the window (positions from n - rows - window + 1 on)."""
+    def attention_masked(self, q, k_cache, v_cache, meta, variant):
+        """A layer with an `AttentionVariant` (chapter 00a), under every backend: each sequence's rows through `attend`,
+        reading only the keys its first row sees (from `variant.first_key` of that row's position on)."""
         bs, (h, d) = k_cache.shape[1], k_cache.shape[2:]
-        if window not in self.window_plans:
+        if variant not in self.variant_plans:
             cu, lens, tables = meta.cu_seqlens_q.tolist(), meta.seq_lens.tolist(), meta.block_tables.tolist()
             plan = []
             for i, n in enumerate(lens):
-                lo = 0 if window is None else max(0, n - (cu[i + 1] - cu[i]) - window + 1)
-                # a row's own keys (`row_keys`) are in position order, its own last: the window keeps the last ones
+                lo = variant.first_key(n - (cu[i + 1] - cu[i]))
+                # a row's own keys (`row_keys`) are in position order, its own last: the variant keeps the last ones
                 slots = (meta.row_keys or {}).get(i, table_slots(tables[i], n, bs, q.device))
                 slots = slice(slots.start + lo, slots.stop) if isinstance(slots, slice) else slots[lo:]
-                plan.append((cu[i], cu[i + 1], slots))
-            self.window_plans[window] = plan
+                plan.append((cu[i], cu[i + 1], slots, lo))
+            self.variant_plans[variant] = plan
         k_flat, v_flat = k_cache.view(-1, h, d), v_cache.view(-1, h, d)
         out = torch.empty_like(q)
-        for r0, r1, slots in self.window_plans[window]:
+        for r0, r1, slots, lo in self.variant_plans[variant]:
             k, v = take(k_flat, slots).to(q.dtype), take(v_flat, slots).to(q.dtype)
-            out[r0:r1] = attend(q[r0:r1], k, v, window, softcap)
+            out[r0:r1] = attend(q[r0:r1], k, v, variant, lo)
         return out
 
 def table_slots(blocks, n, bs, device="cpu"):
@@ -390,24 +390,24 @@ def formats_read_by(name):
     "The KV formats backend `name` has a reader for (beside this chapter's pool, which every backend reads)."
     return [fmt for backend, fmt in KV_READERS if backend == name]
 
-def kv_cache_from_budget(cfg, budget_bytes, block_size=16, dtype=torch.float32, device="cpu", kv_dtype="auto",
+def kv_cache_from_budget(cfg, budget_bytes, block_size=16, dtype=torch.float32, device="cpu", kv_format="auto",
                          max_seqs=64):
-    """The paged pool for `kv_dtype`: this chapter's, in the model's dtype ('auto' or that dtype's name), else a
+    """The paged pool for `kv_format`: this chapter's, in the model's dtype ('auto' or that dtype's name), else a
     `KV_FORMATS` entry's. max_seqs: sequences running at once, at most (a format may reserve room for each)."""
-    if kv_dtype in KV_FORMATS:
-        return KV_FORMATS[kv_dtype].from_budget(cfg, budget_bytes, block_size, dtype, device, max_seqs)
-    if kv_dtype not in ("auto", str(dtype).removeprefix("torch.")):
-        raise ValueError(f"kv_dtype={kv_dtype!r}: store K/V in the model's dtype ('auto') or one of "
+    if kv_format in KV_FORMATS:
+        return KV_FORMATS[kv_format].from_budget(cfg, budget_bytes, block_size, dtype, device, max_seqs)
+    if kv_format not in ("auto", str(dtype).removeprefix("torch.")):
+        raise ValueError(f"kv_format={kv_format!r}: store K/V in the model's dtype ('auto') or one of "
                          f"{', '.join(map(repr, KV_FORMATS))}")
     return PagedKVCache.from_budget(cfg, budget_bytes, block_size, dtype, device)
 
-def kv_token_bytes(cfg, kv_dtype="float32", block_size=16):
-    """Bytes one token's K and V take in the pool, all layers, scales included (`kv_dtype`: a float dtype or a
+def kv_token_bytes(cfg, kv_format="float32", block_size=16):
+    """Bytes one token's K and V take in the pool, all layers, scales included (`kv_format`: a float dtype or a
     `KV_FORMATS` name; a format whose scales are shared over a block charges each token its share, by `block_size`)."""
-    if kv_dtype in KV_FORMATS:
-        per_block = KV_FORMATS[kv_dtype].block_bytes(cfg, block_size)
+    if kv_format in KV_FORMATS:
+        per_block = KV_FORMATS[kv_format].block_bytes(cfg, block_size)
         return per_block // block_size if per_block % block_size == 0 else per_block / block_size
-    return PagedKVCache.block_bytes(cfg, 1, getattr(torch, kv_dtype))
+    return PagedKVCache.block_bytes(cfg, 1, getattr(torch, kv_format))
 
 # %% ../nbs/03_paged.ipynb #b253905e
 from .sequence import SamplingParams, Sequence

@@ -22,16 +22,16 @@ from .model import Registry
 
 # bytes per weight of each storage dtype; a later chapter's number formats register theirs, scales included
 DTYPE_BYTES = Registry("dtype")
-DTYPE_BYTES.update({"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "int4": 0.5})
+DTYPE_BYTES.update({"float32": 4, "bfloat16": 2, "float16": 2})
 
 def param_counts(cfg):
-    """Parameters by part: embedding, attention, MLP, norms, LM head (0 when tied to the embedding). A mixture of
-    experts (chapter 12b) counts every expert and its router: what a step reads when its tokens touch them all."""
+    """Parameters by part: embedding, attention, MLP, norms, LM head (0 when tied to the embedding). A layer whose
+    MLP is of another kind (an `MLPSpec`, chapter 12b's mixture of experts) counts what its spec says: all of it,
+    what a step reads when its tokens touch it all."""
     h, d, L = cfg.hidden_size, cfg.head_dim, cfg.num_hidden_layers
     attn = h * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d + cfg.num_attention_heads * d * h
-    moe = len(getattr(cfg, "moe_layers", ()))
-    mlp = (L - moe) * 3 * h * cfg.intermediate_size
-    if moe: mlp += moe * cfg.num_experts * (3 * h * cfg.moe_intermediate_size + h)
+    dense = 3 * h * cfg.intermediate_size
+    mlp = sum(dense if spec is None else spec.parameters(cfg) for spec in cfg.layer_mlps)
     return dict(embedding=cfg.vocab_size * h, attention=L * attn, mlp=mlp,
                 norms=(2 * L + 1) * h, lm_head=0 if cfg.tie_word_embeddings else cfg.vocab_size * h)
 
@@ -44,13 +44,13 @@ def weight_bytes_per_step(cfg, dtype="float32", projection_bits=None):
     projection_bytes = DTYPE_BYTES[dtype] if projection_bits is None else projection_bits / 8
     return (p["attention"] + p["mlp"]) * projection_bytes + (p["norms"] + lm_head) * DTYPE_BYTES[dtype]
 
-def kv_bytes_per_token(cfg, kv_dtype="float32"):
+def kv_bytes_per_token(cfg, dtype="float32"):
     "KV-cache bytes one token occupies across all layers: 2 (K and V) x layers x KV heads x head_dim x bytes."
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * DTYPE_BYTES[kv_dtype]
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * DTYPE_BYTES[dtype]
 
-def decode_bytes_per_token(cfg, dtype="float32", context=0, kv_dtype=None, batch=1):
+def decode_bytes_per_token(cfg, dtype="float32", context=0, batch=1):
     "Bytes moved per generated token at batch `batch`: weights shared by the batch, plus each token's own KV reads."
-    return weight_bytes_per_step(cfg, dtype) / batch + context * kv_bytes_per_token(cfg, kv_dtype or dtype)
+    return weight_bytes_per_step(cfg, dtype) / batch + context * kv_bytes_per_token(cfg, dtype)
 
 # %% ../nbs/00b_roofline.ipynb #bfb9bc18
 def flops_per_token(cfg, context=0):
@@ -180,7 +180,7 @@ class DecodeBound:
     intensity: float     # FLOP per byte moved
     ridge: float         # the device's peak FLOP/s / bandwidth: intensity where the regime flips
 
-def decode_roofline(model, dtype="bfloat16", batch=1, context=0, device="H100 SXM", kv_dtype=None, devices=None):
+def decode_roofline(model, dtype="bfloat16", batch=1, context=0, device="H100 SXM", devices=None):
     """Bound on decode tokens/s for `batch` sequences of `context` cached tokens each, weights stored as `dtype`.
     `model`: a parameter count (weights only) or a `ModelConfig` (adds KV-cache reads and attention FLOPs).
     `device`: a `Device` or a name in `devices` (default `DEVICES`)."""
@@ -190,9 +190,10 @@ def decode_roofline(model, dtype="bfloat16", batch=1, context=0, device="H100 SX
     dev = device if isinstance(device, Device) else devices[device]
     if dtype not in DTYPE_BYTES: raise ValueError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPE_BYTES)}")
     if batch < 1 or context < 0: raise ValueError(f"batch must be >= 1 and context >= 0, got batch={batch}, context={context}")
-    kv_dtype = kv_dtype or (dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16")
+    # K and V are stored in a float dtype: the weights' where they are floats, bf16 beside integer weights
+    kv_stored = dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16"
     if isinstance(model, ModelConfig):
-        step_bytes = weight_bytes_per_step(model, dtype) + batch * context * kv_bytes_per_token(model, kv_dtype)
+        step_bytes = weight_bytes_per_step(model, dtype) + batch * context * kv_bytes_per_token(model, kv_stored)
         step_flops = batch * flops_per_token(model, context)
     else:
         step_bytes, step_flops = model * DTYPE_BYTES[dtype], batch * 2 * model
@@ -246,7 +247,7 @@ def roofline_explorer(devices=None, models=None):
         plt.close(fig)
         return decode_roofline(models[model], dtype, batch, context, devices[device])
     shown = widgets.interact(show, model=widgets.Dropdown(options=list(models), value="Llama-3.1-8B" if "Llama-3.1-8B" in models else list(models)[0]),
-                             dtype=widgets.Dropdown(options=["float32", "bfloat16", "int8", "int4"], value="bfloat16"),
+                             dtype=widgets.Dropdown(options=list(DTYPE_BYTES), value="bfloat16"),
                              batch=widgets.SelectionSlider(options=BATCHES, value=1),
                              context=widgets.SelectionSlider(options=CONTEXTS, value=2048),
                              device=widgets.Dropdown(options=list(devices)))
@@ -258,7 +259,6 @@ class Ledger:
     "Analytic count of bytes and FLOPs moved by forward steps. `record` one step; read totals or `bytes_per_token`."
     cfg: object
     dtype: str = "float32"
-    kv_dtype: str = None
     weight_bytes: float = 0
     kv_read_bytes: float = 0
     kv_write_bytes: float = 0
@@ -271,7 +271,7 @@ class Ledger:
 
     def record(self, new_tokens, cached_context, logits_rows=None, cached=True):
         "One forward step. new_tokens[i], cached_context[i]: tokens computed / tokens read from cache for sequence i."
-        cfg, kvb = self.cfg, kv_bytes_per_token(self.cfg, self.kv_dtype or self.dtype)
+        cfg, kvb = self.cfg, kv_bytes_per_token(self.cfg, self.dtype)
         n, rows = sum(new_tokens), len(new_tokens) if logits_rows is None else logits_rows
         self.steps += 1
         self.tokens_in += n

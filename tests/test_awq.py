@@ -372,7 +372,7 @@ def test_perplexity_against_cross_entropy():
     ids = torch.randint(0, 512, (100,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad(): logits = model(ids[:-1], torch.arange(99), NoCache())
     want = math.exp(F.cross_entropy(logits, ids[1:]).item())
-    assert math.isclose(perplexity(model, ids, window=200), want, rel_tol=1e-5)
+    assert math.isclose(perplexity(model, ids, chunk=200), want, rel_tol=1e-5)
     # windows of 40 predictions: tokens 1-40 see tokens 0-39, 41-80 see 40-79, 81-99 see 80-98; nothing else
     nll = 0.0
     with torch.no_grad():
@@ -380,7 +380,7 @@ def test_perplexity_against_cross_entropy():
             chunk = ids[start:end]
             logits = model(chunk[:-1], torch.arange(len(chunk) - 1), NoCache())
             nll += F.cross_entropy(logits, chunk[1:], reduction="sum").item()
-    assert math.isclose(perplexity(model, ids, window=40), math.exp(nll / 99), rel_tol=1e-5)
+    assert math.isclose(perplexity(model, ids, chunk=40), math.exp(nll / 99), rel_tol=1e-5)
 
 
 def test_bytes_per_token(model_dir):

@@ -4,11 +4,12 @@ add-only: a different entry under a taken name is refused, the same definition r
 not."""
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
 
-from minfer.model import ModelConfig, Registry
+from minfer.model import ModelConfig, Registry, AttentionVariant, MLPSpec
 from minfer.paged import KV_FORMATS, KV_READERS, PagedAttention, PagedKVCache, PoolFormat
 from minfer.scheduler import Lookahead
 from minfer.engine import SWITCHES, EngineConfig, Rule, Switch
@@ -185,6 +186,106 @@ def test_a_toy_model_family(tmp_path, monkeypatch):
     monkeypatch.delitem(MODEL_FAMILIES, "toy_llama")
     with pytest.raises(ValueError, match="model_type='toy_llama' is not supported"):
         ModelConfig.from_config(config)
+class LastFour(AttentionVariant):
+    "A toy attention variant: a query sees itself and the three positions before it (no chapter's class)."
+
+    def first_key(self, position):
+        return max(0, position - 3)
+
+
+class Twice(MLPSpec):
+    "A toy MLP kind's spec: the dense MLP under a kind of its own, counted as the dense one is."
+    kind = "toy-twice"
+
+    def parameters(self, cfg):
+        return 3 * cfg.hidden_size * cfg.intermediate_size
+
+
+class GrowingBlocks(AttentionVariant):
+    """A toy variant that depends on where a query is, not only on how far back a key is: a query sees the keys of its
+    own block, the blocks growing (each starts at a square number: 0, 1, 4, 9, 16, ...), so no shift of the positions
+    leaves the blocks as they were."""
+
+    def first_key(self, position):
+        return math.isqrt(position) ** 2
+
+
+def toy_family(tmp_path, monkeypatch, variant, mlp_spec=None):
+    """A model_type registered from here whose layers all attend with `variant` (and have `mlp_spec`'s MLPs), on the
+    weights of a tiny Mistral with a window of 4; -> (its folder, transformers' Mistral)."""
+    from minfer.model import MODEL_FAMILIES, Family, describe_llama
+    from minfer.families import tiny_random_model
+    ref = tiny_random_model("mistral", tmp_path / "mistral", sliding_window=4)
+    toy = tmp_path / "toy"
+    toy.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json", "model.safetensors"):
+        (toy / f).write_bytes((tmp_path / "mistral" / f).read_bytes())
+    config = json.loads((tmp_path / "mistral" / "config.json").read_text())
+    config.update(model_type="toy_variant")
+    (toy / "config.json").write_text(json.dumps(config))
+
+    def describe_toy(d):
+        n = d["num_hidden_layers"]
+        return dict(describe_llama(d), layer_attention=(variant,) * n, layer_mlps=(mlp_spec,) * n)
+    monkeypatch.setitem(MODEL_FAMILIES, "toy_variant", Family(describe_toy))
+    return toy, ref
+
+
+LONG_PROMPT = "The capital of France is Paris, the capital of Italy is Rome, and the capital of Spain is"
+
+
+def engine_prompt_logprobs(folder):
+    "The engine's greedy tokens and prompt log-probs, its pool in blocks of 4 and the prompt in chunks of 8."
+    with LLM(str(folder), dtype="float32", kernels="torch", max_num_batched_tokens=8, block_size=4) as llm:
+        out = llm.generate(LONG_PROMPT, SamplingParams(max_tokens=8, ignore_eos=True, prompt_logprobs=0), raw=True,
+                           use_tqdm=False)[0]
+        mlps = {type(layer.mlp) for layer in llm.model.layers}
+    got = [getattr(g, "logprob", g) for g in (next(iter(d.values())) for d in out.prompt_logprobs[1:])]
+    return out, got, mlps
+
+
+def test_a_toy_attention_variant_and_mlp_kind(tmp_path, monkeypatch):
+    """Chapter 00a's `AttentionVariant` and `MLPSpec` filled from here: a toy family whose layers see the last four
+    positions (the variant is this file's class, not chapter 12a's) and whose MLPs are a toy kind. Checked against
+    transformers' Mistral with a window of 4 on the same weights: prompt log-probs through the engine's paged pool in
+    chunks of 8 (keys read from each chunk's first key on), then greedy decoding past the window."""
+    from minfer.model import MLP_KINDS, MLP
+    from minfer.roofline import param_counts
+
+    class TwiceMLP(MLP):
+        def __init__(self, cfg, spec):
+            super().__init__(cfg)
+    toy, ref = toy_family(tmp_path, monkeypatch, LastFour(), Twice())
+    monkeypatch.setitem(MLP_KINDS, "toy-twice", TwiceMLP)
+    cfg = ModelConfig.from_folder(toy)
+    assert param_counts(cfg)["mlp"] == cfg.num_hidden_layers * Twice().parameters(cfg)
+    out, got, mlps = engine_prompt_logprobs(toy)
+    assert mlps == {TwiceMLP}
+    ids = torch.tensor([out.prompt_token_ids])
+    with torch.inference_mode():
+        want = torch.log_softmax(ref(ids).logits[0].float(), -1)
+    err = max(abs(g - want[i, int(ids[0, i + 1])].item()) for i, g in enumerate(got))
+    assert len(got) > 16 and err < 1e-4, err
+    greedy = ref.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, ids.shape[1]:]
+    assert out.token_ids == greedy.tolist()
+
+
+def test_a_variant_that_depends_on_position(tmp_path, monkeypatch):
+    """A variant whose first key is not a fixed distance back (each query sees its own block): the engine's
+    chunks and decode steps must place the keys they read at their true positions. Checked against the naive decode
+    (chapter 00a's `NoCache`: the whole sequence, every key, through `attend`)."""
+    from minfer.model import NoCache, load_model
+    toy, _ = toy_family(tmp_path, monkeypatch, GrowingBlocks())
+    out, got, _ = engine_prompt_logprobs(toy)
+    ids = torch.tensor(out.prompt_token_ids + out.token_ids)
+    with torch.inference_mode():
+        want = torch.log_softmax(load_model(toy)(ids, torch.arange(len(ids)), NoCache()), -1)
+    n = len(out.prompt_token_ids)
+    err = max(abs(g - want[i, int(ids[i + 1])].item()) for i, g in enumerate(got))
+    assert len(got) > 16 and err < 1e-4, err
+    assert out.token_ids == want[n - 1:-1].argmax(-1).tolist()
+
+
 # ---- a request option (chapter 02b's LOGITS_PROCESSORS), its body field (07b's REQUEST_FIELDS) and its flag (07c)
 class EvenOnly:
     "A toy output constraint: only even token ids."

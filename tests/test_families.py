@@ -13,8 +13,9 @@ import pytest, torch
 
 from minfer.model import (ModelConfig, Llama, NoCache, load_model, checkpoint_params, read_checkpoint, make_rope,
                           MODEL_FAMILIES)
-from minfer.families import tiny_random_model, kv_bytes_read
-from minfer.moe import expected_experts
+from minfer.families import (tiny_random_model, kv_bytes_read, layer_attention, layer_windows,
+                             FamilyAttention)
+from minfer.moe import expected_experts, mixture_layers
 from minfer.engine import EngineConfig
 from minfer.llm import LLM
 from minfer.sequence import SamplingParams
@@ -113,23 +114,30 @@ def test_features_bite(tiny):
     "The configs exercise what they claim: both layer kinds, windows shorter than the prompt, long RoPE, experts."
     cfg = lambda n: ModelConfig.from_folder(tiny(n)[0])
     for name in ("gemma2", "gemma3_text", "qwen2"):
-        w = cfg(name).layer_windows
+        w = layer_windows(cfg(name))
         assert None in w and 8 in w and 8 < len(IDS), name
     assert cfg("gemma3_text").layer_ropes.count(1) == 2 and cfg("gemma3_text").local_rope.theta == 100.0
     assert cfg("smollm3").layer_ropes == (0, None, 0, None)
     phi3 = cfg("phi3").rope
     assert phi3.original_max_position_embeddings < len(IDS) and phi3.partial_rotary_factor == 0.5
-    assert cfg("qwen3_moe").moe_layers == (0, 2, 3) and cfg("mixtral").moe_layers == (0, 1, 2, 3)
+    assert mixture_layers(cfg("qwen3_moe")) == (0, 2, 3) and mixture_layers(cfg("mixtral")) == (0, 1, 2, 3)
     assert set(cfg("gemma2").behaviours()) >= {"attn_softcap", "final_softcap", "sliding_window", "sandwich_norms",
                                                "embed_scale", "norm_offset", "hidden_act", "query_scale"}
 
 
+def experts(cfg, **change):
+    "ModelConfig changes that alter every mixture layer's `Experts` spec."
+    return dict(layer_mlps=tuple(None if spec is None else replace(spec, **change) for spec in cfg.layer_mlps))
+
+
 # ---- broken on purpose: each comparison must fail ------------------------------------------------------------
 BREAKS = {  # name -> (family, ModelConfig changes that drop one feature)
-    "window ignored (mistral)": ("mistral", lambda c: dict(layer_windows=(None,) * 4)),
-    "window ignored (gemma2 sliding layers)": ("gemma2", lambda c: dict(layer_windows=(None,) * 4)),
-    "attention soft-cap skipped": ("gemma2", lambda c: dict(attn_softcap=None)),
-    "final soft-cap skipped": ("gemma2", lambda c: dict(final_softcap=None)),
+    "window ignored (mistral)": ("mistral", lambda c: dict(layer_attention=(None,) * 4)),
+    "window ignored (gemma2 sliding layers)": ("gemma2", lambda c: dict(
+        layer_attention=tuple(replace(a, window=None) for a in c.layer_attention))),
+    "attention soft-cap skipped": ("gemma2", lambda c: dict(
+        layer_attention=tuple(replace(a, softcap=None) for a in c.layer_attention))),
+    "final soft-cap skipped": ("gemma2", lambda c: dict(logits_transform=None)),
     "query_pre_attn_scalar ignored": ("gemma2", lambda c: dict(query_scale=None)),
     "embeddings not scaled": ("gemma3_text", lambda c: dict(embed_scale=1.0)),
     "SwiGLU for GeGLU": ("gemma2", lambda c: dict(hidden_act="silu")),
@@ -141,9 +149,9 @@ BREAKS = {  # name -> (family, ModelConfig changes that drop one feature)
         rope=replace(c.rope, partial_rotary_factor=1.0, short_factor=c.rope.short_factor * 2,
                      long_factor=c.rope.long_factor * 2))),
     "RoPE on every layer (SmolLM3)": ("smollm3", lambda c: dict(layer_ropes=(0,) * 4)),
-    "expert weights renormalised (qwen3_moe: norm_topk_prob false)": ("qwen3_moe", lambda c: dict(norm_topk_prob=True)),
-    "expert weights not renormalised (mixtral)": ("mixtral", lambda c: dict(norm_topk_prob=False)),
-    "top-1 expert instead of top-2": ("mixtral", lambda c: dict(num_experts_per_tok=1)),
+    "expert weights renormalised (qwen3_moe: norm_topk_prob false)": ("qwen3_moe", lambda c: experts(c, norm_topk_prob=True)),
+    "expert weights not renormalised (mixtral)": ("mixtral", lambda c: experts(c, norm_topk_prob=False)),
+    "top-1 expert instead of top-2": ("mixtral", lambda c: experts(c, per_token=1)),
 }
 
 
@@ -157,7 +165,7 @@ def test_a_broken_feature_fails_the_comparison(tiny, what):
 
 @pytest.mark.parametrize("name,change,tensor", [
     ("qwen2", dict(qkv_bias=False), "q_proj.bias"),           # the dropped bias: the error that started this chapter
-    ("qwen3", dict(qk_norm=False), "q_norm.weight"),
+    ("qwen3", dict(attention_module="plain"), "q_norm.weight"),
     ("gemma2", dict(sandwich_norms=False), "feedforward_layernorm"),
 ])
 def test_a_tensor_nothing_reads_stops_the_loader(tiny, name, change, tensor):
@@ -280,7 +288,7 @@ def test_bfloat16_against_fp32(tiny, name):
         got = [next(iter(d.values())) for d in o.prompt_logprobs[1:]]
         err = max(abs(g - want[i, int(ids[i + 1])].item()) for i, g in enumerate(got))
         assert err < 0.5, f"bf16 prompt log-probs {err:.3f} from fp32's"
-        if ModelConfig.from_folder(folder).num_experts: continue
+        if mixture_layers(ModelConfig.from_folder(folder)): continue
         tokens, gaps = reference_steps(ref, o.prompt_token_ids, 12)
         if o.token_ids != tokens:
             i = next(i for i, (a, b) in enumerate(zip(o.token_ids, tokens)) if a != b)
@@ -342,9 +350,9 @@ def test_a_sliding_window_layer_reads_only_its_window(tiny, monkeypatch):
     import minfer.paged as paged
     folder, ref = tiny("mistral")
     seen, attend = [], paged.attend
-    def spy(q, k, v, window=None, softcap=None):
-        if window is not None: seen.append(k.shape[0] - q.shape[0])
-        return attend(q, k, v, window, softcap)
+    def spy(q, k, v, variant=None, key_start=0):
+        if variant is not None: seen.append(k.shape[0] - q.shape[0])
+        return attend(q, k, v, variant, key_start)
     monkeypatch.setattr(paged, "attend", spy)
     with LLM(str(folder), dtype="float32", kernels="torch", max_num_batched_tokens=16) as llm:
         assert_greedy(llm, ref, PROMPTS[:2], n=8)
@@ -352,7 +360,7 @@ def test_a_sliding_window_layer_reads_only_its_window(tiny, monkeypatch):
 
 
 def test_kv_bytes_read_and_expected_experts():
-    cfg = ModelConfig(1000, 64, 96, 4, 4, 2, 16, layer_windows=(8, None, 8, None))
+    cfg = ModelConfig(1000, 64, 96, 4, 4, 2, 16, layer_attention=layer_attention((8, None, 8, None)))
     per_layer = 2 * 2 * 16 * 4  # K and V, 2 heads, 16 dims, fp32
     assert kv_bytes_read(cfg, 100, "float32") == per_layer * (8 + 100 + 8 + 100)
     assert kv_bytes_read(cfg, 4, "float32") == per_layer * 4 * 4
@@ -382,7 +390,7 @@ def test_tensor_parallel_refuses_a_mixture_of_experts(tiny):
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("kw", [{}, {"window": 3}, {"softcap": 2.0}])
+@pytest.mark.parametrize("kw", [{}, {"variant": FamilyAttention(window=3)}, {"variant": FamilyAttention(softcap=2.0)}])
 def test_packed_sequences_attend_as_each_alone(kw):
     """Chapter 00a's PackedCausal (calibration's and training's attention over many texts in one pass) equals NoCache on
     each sequence alone, also under a layer's window or soft-cap (a family's)."""

@@ -85,7 +85,7 @@ def test_block_bytes_count_the_scales_and_the_pool_holds_more(kv_dtype):
     per_block = QuantizedKVCache.block_bytes(CFG, 16, kv_dtype=kv_dtype)
     assert per_block == 16 * 2 * 2 * 3 * (64 * 1 + 4)  # tokens x (K, V) x layers x heads x (codes + one fp32 scale)
     budget = 10 * 2**20
-    cache = kv_cache_from_budget(CFG, budget, 16, torch.bfloat16, kv_dtype=kv_dtype)
+    cache = kv_cache_from_budget(CFG, budget, 16, torch.bfloat16, kv_format=kv_dtype)
     assert cache.num_blocks == budget // per_block and cache.nbytes == cache.num_blocks * per_block
     bf16 = PagedKVCache.from_budget(CFG, budget, 16, torch.bfloat16)
     assert cache.num_blocks >= 1.8 * bf16.num_blocks  # the target: 1.88x here (2 * 64 / 68)
@@ -314,12 +314,12 @@ def test_int4_block_bytes_and_the_pool_with_its_residual_window():
     # and group of 32)
     assert per_block == 2 * 3 * (2 * 16 * 32 + 2 * 2 * 64 + 2 * 2 * 16 * 2) and kv_token_bytes(CFG, "int4") * 16 == per_block
     budget = 64 * 2**20
-    cache = kv_cache_from_budget(CFG, budget, 16, torch.bfloat16, kv_dtype="int4", max_seqs=8)
+    cache = kv_cache_from_budget(CFG, budget, 16, torch.bfloat16, kv_format="int4", max_seqs=8)
     residual = 8 * PagedKVCache.block_bytes(CFG, 16, torch.bfloat16)
     assert cache.num_blocks == (budget - residual) // per_block and cache.nbytes == cache.num_blocks * per_block + residual
     assert cache.num_blocks >= 2.8 * PagedKVCache.from_budget(CFG, budget, 16, torch.bfloat16).num_blocks
     with pytest.raises(ValueError, match="residual window"): kv_cache_from_budget(CFG, residual, 16, torch.bfloat16,
-                                                                                  kv_dtype="int4", max_seqs=8)
+                                                                                  kv_format="int4", max_seqs=8)
 
 
 def test_int4_residual_window_reads_back_exactly_until_the_block_is_complete():

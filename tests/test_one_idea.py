@@ -19,9 +19,10 @@ VOCABULARY = {
     "05a_flash": ["triton", "flash"],
     "07d_chat": ["chat_page", "chat page"],
     "08_awq": ["awq", "int4", "pack_awq_int4", "group_size"],
-    "08a_awq_kernels": ["q4x8", "awq_gemm", "awq_cpu"],
+    # 08a is the first to compute in int8 (its activations); 09 then stores K and V in it, under its own words
+    "08a_awq_kernels": ["q4x8", "awq_gemm", "awq_cpu", "int8"],
     "08b_formats": ["fp8", "mxfp4", "nvfp4", "e2m1", "e8m0", "e4m3", "microscal", "ScaledLinear"],
-    "09_kvquant": ["kv_dtype", "kvquant", "int8", "kv_quant"],
+    "09_kvquant": ["kv_dtype", "kvquant", "kv_quant"],
     "10a_speculative": ["speculat", "draft", "ngram", "prompt_lookup", "proposer", "num_speculative_tokens",
                         "SPECULATORS", "accepted_tokens", "spec_judged", "spec_accepted"],
     "10b_eagle": ["eagle", "key_slots", "draft_parents", "token tree", "root_paths", "grows_trees"],
