@@ -340,15 +340,16 @@ def rope_spec(d, params=None):
     p = dict(params if params is not None else (d.get("rope_parameters") or d.get("rope_scaling") or {}))
     kind = p.get("rope_type", p.get("type", "default"))
     if "mrope_section" in p: kind = "mrope"
-    check_rope_type(kind)  # unsupported kinds (yarn, dynamic, mrope, ...) stop here, in one line
+    check_rope_type(kind)  # unsupported kinds (dynamic, mrope, ...) stop here, in one line
     factor = p.get("factor")
     orig = p.get("original_max_position_embeddings", d.get("original_max_position_embeddings"))
-    return RopeSpec(theta=float(p.get("rope_theta", d.get("rope_theta", 10000.0))), rope_type=kind,
+    spec = RopeSpec(theta=float(p.get("rope_theta", d.get("rope_theta", 10000.0))), rope_type=kind,
                     factor=None if factor is None else float(factor),
                     low_freq_factor=float(p.get("low_freq_factor", 1.0)),
                     high_freq_factor=float(p.get("high_freq_factor", 4.0)),
                     original_max_position_embeddings=orig, short_factor=tuple(p.get("short_factor") or ()),
                     long_factor=tuple(p.get("long_factor") or ()), attention_factor=p.get("attention_factor"))
+    return ROPE_SCALINGS[kind].read_spec(spec, p, d)  # a scaling with parameters of its own reads them
 
 # the `quantization_config.quant_method`s a weight format reads: {name: what reads it}; the chapters that bring
 # quantized formats register theirs (chapter 08 AWQ's)
@@ -533,6 +534,11 @@ class RotaryEmbedding(nn.Module):
         dim = self.spec.rotated_dims(dim)
         for name, t in zip(("cos", "sin"), self.table(*self.frequencies(dim))):
             self.register_buffer(name, t, persistent=False)
+    @classmethod
+    def read_spec(cls, spec, params, d):
+        """The spec of a table of this kind: `spec` as `rope_spec` read it from `params` (the RoPE entry of
+        `config.json` `d`), or a subclass of `RopeSpec` with a scaling's own parameters."""
+        return spec
     def frequencies(self, dim):
         "-> (inverse frequencies [dim / 2], cos/sin scale): RoPE's own, unscaled (a subclass scales them)."
         return rope_inv_freq(self.spec.theta, dim), 1.0

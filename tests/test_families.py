@@ -30,6 +30,7 @@ CASES = {
     "mistral": dict(sliding_window=8),
     "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=2),
     "qwen2_plain": dict(),  # Qwen2.5 as shipped (no window): the one-call step runs its biases
+    "qwen2_yarn": dict(rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16)),
     "qwen3": dict(),
     "gemma2": dict(sliding_window=8, attn_logit_softcapping=3.0, final_logit_softcapping=5.0, query_pre_attn_scalar=32),
     "gemma3_text": dict(sliding_window=8, sliding_window_pattern=2, rope_local_base_freq=100.0,
@@ -44,7 +45,7 @@ CASES = {
     "qwen3_moe_norm": dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True),
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, sliding_window=8),
 }
-TYPE = {"llama_linear": "llama", "qwen3_moe_norm": "qwen3_moe", "qwen2_plain": "qwen2"}
+TYPE = {"llama_linear": "llama", "qwen3_moe_norm": "qwen3_moe", "qwen2_plain": "qwen2", "qwen2_yarn": "qwen2"}
 IDS = torch.randint(3, 2000, (48,), generator=torch.Generator().manual_seed(0))
 PROMPTS = ["The three primary colors are red, yellow and blue, and every other colour",
            "def fibonacci(n):\n    if n < 2:\n        return n\n    return", "Paris is"]
@@ -120,6 +121,8 @@ def test_features_bite(tiny):
     assert cfg("smollm3").layer_ropes == (0, None, 0, None)
     phi3 = cfg("phi3").rope
     assert phi3.original_max_position_embeddings < len(IDS) and phi3.partial_rotary_factor == 0.5
+    yarn = cfg("qwen2_yarn").rope
+    assert yarn.rope_type == "yarn" and yarn.original_max_position_embeddings < len(IDS) and yarn.factor == 4.0
     assert mixture_layers(cfg("qwen3_moe")) == (0, 2, 3) and mixture_layers(cfg("mixtral")) == (0, 1, 2, 3)
     assert set(cfg("gemma2").behaviours()) >= {"attn_softcap", "final_softcap", "sliding_window", "sandwich_norms",
                                                "embed_scale", "norm_offset", "hidden_act", "query_scale"}
@@ -145,6 +148,8 @@ BREAKS = {  # name -> (family, ModelConfig changes that drop one feature)
     "llama3 RoPE scaling ignored": ("llama", lambda c: dict(rope=replace(c.rope, rope_type="default"))),
     "LongRoPE: short factors past the original context": ("phi3", lambda c: dict(
         rope=replace(c.rope, long_factor=c.rope.short_factor))),
+    "YaRN read as linear scaling": ("qwen2_yarn", lambda c: dict(rope=replace(c.rope, rope_type="linear"))),
+    "YaRN's attention factor ignored": ("qwen2_yarn", lambda c: dict(rope=replace(c.rope, attention_factor=1.0))),
     "RoPE on the whole head (partial rotary ignored)": ("phi3", lambda c: dict(
         rope=replace(c.rope, partial_rotary_factor=1.0, short_factor=c.rope.short_factor * 2,
                      long_factor=c.rope.long_factor * 2))),
@@ -185,10 +190,9 @@ def test_a_parameter_nothing_fills_stops_the_loader(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("change,key", [
-    (dict(rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=1e4)), "yarn"),
     (dict(rope_parameters=dict(rope_type="dynamic", factor=4.0, rope_theta=1e4)), "dynamic"),
     (dict(rope_parameters=dict(rope_type="default", mrope_section=[4, 2, 2], rope_theta=1e4)), "mrope"),
-    (dict(rope_scaling=dict(type="yarn", factor=4.0)), "yarn"),
+    (dict(rope_scaling=dict(type="dynamic", factor=4.0)), "dynamic"),
     (dict(vision_config={}), "vision_config"),
     (dict(quantization_config=dict(quant_method="gptq", bits=4)), "gptq"),
     (dict(model_type="deepseek_v3"), "deepseek_v3"),
@@ -228,8 +232,8 @@ def assert_greedy(llm, ref, prompts=PROMPTS, n=12, near_tie=1e-3):
             assert gaps[i] < near_tie, f"{p!r}: token {i} differs ({o.token_ids} vs {want}), top-2 gap {gaps[i]:.2e}"
 
 
-ENGINE_FAMILIES = ["llama", "llama_linear", "mistral", "qwen2", "qwen2_plain", "qwen3", "gemma2", "gemma3_text",
-                   "phi3", "smollm3", "qwen3_moe", "mixtral"]
+ENGINE_FAMILIES = ["llama", "llama_linear", "mistral", "qwen2", "qwen2_plain", "qwen2_yarn", "qwen3", "gemma2",
+                   "gemma3_text", "phi3", "smollm3", "qwen3_moe", "mixtral"]
 LOSSLESS = {  # switches -> what they exercise
     "torch": dict(kernels="torch", attention="torch"),
     "chunked prefill of 8 tokens": dict(kernels="torch", max_num_batched_tokens=8, block_size=4),
