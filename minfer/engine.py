@@ -139,7 +139,8 @@ class ModelRunner:
     def account(self, batch, n_logits):
         "Ledger for the step, and each sequence's share: weights split evenly over the batch, plus its own KV traffic."
         self.ledger.record([n for _, n in batch], [s.num_computed for s, _ in batch], logits_rows=n_logits)
-        w = weight_bytes_per_step(self.model.cfg, self.ledger.dtype, self.ledger.projection_bits) / len(batch)
+        tokens = sum(n for _, n in batch)
+        w = weight_bytes_per_step(self.model.cfg, self.ledger.dtype, self.ledger.projection_bits, tokens) / len(batch)
         kvb = kv_token_bytes(self.model.cfg, self.cache.format_name or self.ledger.dtype,  # ch. 09: scales too
                              self.cache.block_size)
         for s, n in batch: s.bytes_moved += w + (s.num_computed + n) * kvb

@@ -617,6 +617,10 @@ class MLPSpec:
     def parameters(self, cfg):
         raise NotImplementedError
 
+    def parameters_read(self, cfg, tokens):
+        "What one step over `tokens` tokens reads of it: every weight here (a kind whose tokens pick says fewer)."
+        return self.parameters(cfg)
+
 # the layers' attention module by name, built as ATTENTION_MODULES[name](cfg, layer): "plain" here; chapter 12a adds one
 ATTENTION_MODULES = Registry("attention_module", nn.Module)
 ATTENTION_MODULES.register("plain", Attention)

@@ -36,6 +36,11 @@ class Experts(MLPSpec):
         "Every expert's gate, up and down, and the router's row per expert."
         return self.num_experts * (3 * cfg.hidden_size * self.width + cfg.hidden_size)
 
+    def parameters_read(self, cfg, tokens):
+        "The router, and the experts a step over `tokens` tokens touches on average (`expected_experts`)."
+        touched = expected_experts(self.num_experts, self.per_token, tokens)
+        return self.num_experts * cfg.hidden_size + touched * 3 * cfg.hidden_size * self.width
+
 def mixture_layers(cfg):
     "The layers of `cfg`'s model whose MLP is a mixture of experts, by index."
     return tuple(i for i, spec in enumerate(cfg.layer_mlps) if isinstance(spec, Experts))

@@ -24,22 +24,27 @@ from .model import Registry
 DTYPE_BYTES = Registry("dtype")
 DTYPE_BYTES.update({"float32": 4, "bfloat16": 2, "float16": 2})
 
-def param_counts(cfg):
+def param_counts(cfg, tokens=None):
     """Parameters by part: embedding, attention, MLP, norms, LM head (0 when tied to the embedding). A layer whose
-    MLP is of another kind (an `MLPSpec`, chapter 12b's mixture of experts) counts what its spec says: all of it,
-    what a step reads when its tokens touch it all."""
+    MLP is of another kind (an `MLPSpec`, chapter 12b's mixture of experts) counts what its spec says: every weight
+    it holds, or with `tokens`, what one step over that many tokens reads of it."""
     h, d, L = cfg.hidden_size, cfg.head_dim, cfg.num_hidden_layers
     attn = h * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d + cfg.num_attention_heads * d * h
     dense = 3 * h * cfg.intermediate_size
-    mlp = sum(dense if spec is None else spec.parameters(cfg) for spec in cfg.layer_mlps)
+    def mlp_of(spec):
+        if spec is None:
+            return dense
+        return spec.parameters(cfg) if tokens is None else spec.parameters_read(cfg, tokens)
+    mlp = sum(mlp_of(spec) for spec in cfg.layer_mlps)
     return dict(embedding=cfg.vocab_size * h, attention=L * attn, mlp=mlp,
                 norms=(2 * L + 1) * h, lm_head=0 if cfg.tie_word_embeddings else cfg.vocab_size * h)
 
-def weight_bytes_per_step(cfg, dtype="float32", projection_bits=None):
+def weight_bytes_per_step(cfg, dtype="float32", projection_bits=None, tokens=None):
     """Weight bytes one forward step reads: every matrix once, the embedding only as the rows looked up (negligible).
     `projection_bits`: bits per weight of the layers' projections when their format differs from `dtype` (chapter 08's
-    4-bit weights with their scales and zeros); the norms and the LM head stay in `dtype`."""
-    p = param_counts(cfg)
+    4-bit weights with their scales and zeros); the norms and the LM head stay in `dtype`. `tokens`: the step's
+    tokens, for layers that read only part of their weights per step (`param_counts`)."""
+    p = param_counts(cfg, tokens)
     lm_head = cfg.vocab_size * cfg.hidden_size  # tied or not, the LM head matrix is read in full
     projection_bytes = DTYPE_BYTES[dtype] if projection_bits is None else projection_bits / 8
     return (p["attention"] + p["mlp"]) * projection_bytes + (p["norms"] + lm_head) * DTYPE_BYTES[dtype]
@@ -275,12 +280,12 @@ class Ledger:
         n, rows = sum(new_tokens), len(new_tokens) if logits_rows is None else logits_rows
         self.steps += 1
         self.tokens_in += n
-        self.weight_bytes += weight_bytes_per_step(cfg, self.dtype, self.projection_bits)
+        self.weight_bytes += weight_bytes_per_step(cfg, self.dtype, self.projection_bits, tokens=n)
         self.kv_read_bytes += sum(cached_context) * kvb
         self.kv_write_bytes += n * kvb if cached else 0
         # residual stream in and out of each layer, roughly 8 hidden-sized reads/writes per layer per token
         self.activation_bytes += n * cfg.num_hidden_layers * 8 * cfg.hidden_size * DTYPE_BYTES[self.dtype]
-        p = param_counts(cfg)
+        p = param_counts(cfg, tokens=1)  # the weights each token multiplies by: its FLOPs
         attn = sum(t * (c + (t + 1) / 2) for t, c in zip(new_tokens, cached_context))  # query-key pairs, causal
         self.flops += 2 * n * (p["attention"] + p["mlp"]) + 2 * rows * cfg.vocab_size * cfg.hidden_size \
                       + 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * attn

@@ -405,3 +405,23 @@ def test_packed_sequences_attend_as_each_alone(kw):
     packed = PackedCausal(B, L)(0, q, k, v, **kw)
     alone = torch.cat([NoCache()(0, q[i:i + L], k[i:i + L], v[i:i + L], **kw) for i in range(0, B * L, L)])
     torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
+
+
+def test_the_ledger_charges_the_experts_a_step_touches(tiny):
+    """A mixture's bytes per step are the router and the experts its tokens touch (chapter 12b's `expected_experts`),
+    not every expert: k at one token, nearly all at many; the engine's ledger charges a batch-1 decode step that."""
+    from minfer.roofline import weight_bytes_per_step
+    folder, _ = tiny("mixtral")
+    cfg = ModelConfig.from_folder(folder)
+    spec = cfg.layer_mlps[0]
+    per_expert = 3 * cfg.hidden_size * spec.width * 4  # gate, up, down in fp32
+    held, one = weight_bytes_per_step(cfg, "float32"), weight_bytes_per_step(cfg, "float32", tokens=1)
+    assert held - one == pytest.approx(cfg.num_hidden_layers * (spec.num_experts - spec.per_token) * per_expert)
+    assert weight_bytes_per_step(cfg, "float32", tokens=10_000) == pytest.approx(held)
+    with LLM(str(folder), dtype="float32", kernels="torch") as llm:
+        out = llm.generate(PROMPTS[2], SamplingParams(max_tokens=8, ignore_eos=True), raw=True)[0]
+        ledger = llm.engine.runner.ledger
+    decode_steps = ledger.steps - 1  # the first step is the prompt's
+    assert decode_steps == 7 and len(out.token_ids) == 8
+    assert ledger.weight_bytes == pytest.approx(
+        weight_bytes_per_step(cfg, "float32", tokens=len(out.prompt_token_ids)) + decode_steps * one)
