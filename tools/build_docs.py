@@ -287,6 +287,28 @@ def api_pages(symbols, titles):
 def _fmt_s(s): return f"{s:.0f} s" if s < 90 else f"{s/60:.1f} min"
 
 
+# How long studying a chapter takes, estimated at stated rates (an estimate, not a measurement): its prose read at
+# WORDS_PER_MIN, its code read and run cell by cell at CODE_LINES_PER_MIN, its cells' own run time, and
+# EXERCISE_MIN per exercise. A chapter estimated above LONG_MIN is a candidate to split into parts.
+WORDS_PER_MIN, CODE_LINES_PER_MIN, EXERCISE_MIN, LONG_MIN = 120, 10, 10, 120
+
+
+def chapter_size(nb):
+    "-> (words of prose, lines of code) of a notebook: markdown words; code lines that are not blank or directives."
+    words = sum(len(c.source.split()) for c in nb.cells if c.cell_type == "markdown")
+    code = sum(1 for c in nb.cells if c.cell_type == "code" for line in c.source.splitlines()
+               if line.strip() and not line.lstrip().startswith("#|"))
+    return words, code
+
+
+def study_minutes(words, code_lines, run_seconds, exercises):
+    "Estimated minutes to read and run a chapter cell by cell, at the rates above."
+    return words / WORDS_PER_MIN + code_lines / CODE_LINES_PER_MIN + run_seconds / 60 + exercises * EXERCISE_MIN
+
+
+def _fmt_min(m): return f"{m:.0f} min" if m < 90 else f"{m / 60:.1f} h"
+
+
 # Suggested workshop plans: (name, what it assumes, [(minutes, chapter number prefixes, what the block does)]).
 # Chapters are named by their number (`02a`), so a plan lists exactly the chapters, exercises and run times there are.
 WORKSHOP_PLANS = [
@@ -354,7 +376,7 @@ def workshop_plans(chapters):
 def instructor_guide(titles):
     times = json.loads(TIMES.read_text()) if TIMES.exists() else {"chapters": {}}
     import nbformat
-    rows, details, n_ex, chapters = [], [], 0, {}
+    rows, details, n_ex, chapters, study, study_total = [], [], 0, {}, [], 0.0
     for p in notebooks():
         if p.stem == "index": continue
         nb = nbformat.read(p, as_version=4)
@@ -377,6 +399,11 @@ def instructor_guide(titles):
             if t.get("code_hash") != code_hash(p): run += " (measured on an earlier version)"
         if slow: run += "; not counted, slow cells (stored outputs; `nbdev-test --flags slow`): " + "; ".join(slow)
         title = titles[p.stem]
+        words, code = chapter_size(nb)
+        minutes = study_minutes(words, code, t["seconds"] if t else 0, len(exs))
+        study.append(f"| [{title}]({p.name}) | {words:,} | {code:,} | {len(exs)} | **{_fmt_min(minutes)}**"
+                     + (" (long: a candidate to split)" if minutes > LONG_MIN else "") + " |")
+        study_total += minutes
         ex_cell = "<br>".join(f"`{e.signatures[0]}`" for e in exs) or "—"
         gpu_cell = ("yes: " + "; ".join(gpu)) if gpu else "no"
         rows.append(f"| [{title}]({p.name}) | {chapter_summary(nb) or '—'} | {ex_cell} | {run} | {gpu_cell} |")
@@ -420,6 +447,17 @@ students reading and running cell by cell need far longer. Re-measure with `pyth
 | chapter | what it teaches | exercises | runs in | needs a GPU |
 | --- | --- | --- | --- | --- |
 {chr(10).join(rows)}
+
+## How long studying a chapter takes (estimates)
+
+Estimated, not measured: prose read at {WORDS_PER_MIN} words a minute, code read and run cell by cell at
+{CODE_LINES_PER_MIN} lines a minute, plus the notebook's run time above and {EXERCISE_MIN} minutes per exercise.
+Chapters above {LONG_MIN // 60} hours are marked: they are candidates to split into parts. The whole course: about
+**{study_total / 60:.0f} hours** of study.
+
+| chapter | words of prose | lines of code | exercises | study time |
+| --- | --- | --- | --- | --- |
+{chr(10).join(study)}
 
 ## Suggested workshop plans
 
