@@ -119,23 +119,30 @@ def calibration_start(model, ids):
 def search_scale(x, weights, block, group_size=64, n_grid=20):
     """AWQ's scale search for projections `weights` (Parameters [out, in], changed in place and restored) that read
     input x [N, in]: for α in 0, 1/n_grid, …, quantise W·diag(s) and divide by s, run `block(x)`, keep the s with
-    the smallest mean squared output error. Returns (s [in], best α, losses per α)."""
+    the smallest mean squared output error, unless none beats s = 1 (plain RTN: α None). Returns (s [in], best α,
+    losses per α)."""
     x_mean = x.abs().reshape(-1, x.shape[-1]).float().mean(0)
     w = torch.cat([p.float() for p in weights])
     groups = w.abs().reshape(-1, group_size)
     w_mean = (groups / (groups.amax(1, keepdim=True) + 1e-6)).reshape(w.shape).mean(0)
     exact = block(x)
     originals = [p.detach().clone() for p in weights]
-    losses, best = [], (float("inf"), None, None)
+    def loss_with(s):  # quantise W diag(s), divide by s, run the block: its mean squared output error
+        for p, orig in zip(weights, originals):
+            p.copy_(fake_quantize(orig * s, group_size) / s)
+        loss = (block(x) - exact).float().pow(2).mean().item()
+        for p, orig in zip(weights, originals):
+            p.copy_(orig)
+        return loss
+    ones = torch.ones_like(x_mean)
+    losses, best = [], (loss_with(ones), ones, None)  # s = 1, plain RTN: what the search must beat
     for i in range(n_grid):
         alpha = i / n_grid
         s = (x_mean.pow(alpha) / (w_mean.pow(1 - alpha) + 1e-4)).clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()
-        for p, orig in zip(weights, originals): p.copy_(fake_quantize(orig * s, group_size) / s)
-        loss = (block(x) - exact).float().pow(2).mean().item()
-        losses.append(loss)
-        if loss < best[0]: best = (loss, s.clone(), alpha)
-        for p, orig in zip(weights, originals): p.copy_(orig)
+        losses.append(loss_with(s))
+        if losses[-1] < best[0]:
+            best = (losses[-1], s.clone(), alpha)
     return best[1], best[2], losses
 
 @torch.no_grad()

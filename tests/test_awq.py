@@ -237,6 +237,26 @@ def test_clip_search_range():
     assert err(clipped) < 0.5 * err(w)
 
 
+def test_the_scale_search_cannot_lose_to_rtn():
+    """Weights already on the 4-bit grid round to themselves: RTN (s = 1) is exact there and any other scale adds
+    error, so the search must return s = 1 (alpha None). And on random weights its chosen scale is never worse than
+    RTN on the calibration inputs."""
+    from minfer.awq import search_scale, MAX_Q
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, MAX_Q + 1, (64, 128), generator=g).float()
+    codes[:, ::32], codes[:, 1::32] = 0, MAX_Q  # every group spans the whole grid, so its step is exactly 1/16
+    layer = torch.nn.Linear(128, 64, bias=False)
+    layer.weight.data.copy_(codes / 16)
+    x = torch.randn(200, 128, generator=g) * torch.linspace(0.1, 3.0, 128)  # uneven channels, as activations are
+    s, alpha, losses = search_scale(x, [layer.weight], layer, group_size=32)
+    assert alpha is None and torch.equal(s, torch.ones(128)) and min(losses) > 0
+    layer.weight.data.copy_(random_weight(64, 128, seed=1))
+    rtn = (F.linear(x, fake_quantize(layer.weight, 32)) - layer(x)).pow(2).mean().item()
+    s, alpha, losses = search_scale(x, [layer.weight], layer, group_size=32)
+    chosen = (F.linear(x, fake_quantize(layer.weight * s, 32) / s) - layer(x)).pow(2).mean().item()
+    assert chosen <= rtn * (1 + 1e-6) and (alpha is None or losses[round(alpha * 20)] == min(losses))
+
+
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory, model_dir):
     "An HF folder of a 2-layer model (tied embeddings, GQA), with the default model's tokenizer."
