@@ -382,10 +382,10 @@ class EagleProposer:
     """Greedy guesses from an EAGLE head: each `propose` re-runs the head over the positions that now have the
     target's features (one varlen pass), then runs one-row head steps on its own predictions for the other guesses."""
     cheap = False  # every guess is a head step: adaptive k is decided before guessing
-    # the head attends to the last `window` positions at most, so a sequence that made no guess for a while (a long
+    # the head attends to the last `history` positions at most, so a sequence that made no guess for a while (a long
     # prompt, a large batch) re-runs at most that many: as many accepted on the held-out prompts as with all of them
     # (measured in the prose below), and one `decode_step` call
-    window = 48
+    history = 48
     # rows up to which a head pass is one `decode_step` call: it computes every row's draft logits (6144 of them,
     # 3.5 M multiply-adds a row, as many as the layer), the modules only the rows guessed from, after ~2 ms of Python.
     # Measured on a 2-core AMD EPYC: 48 rows 6.4 ms in one call against 7.3 ms, 64 rows 9.7 against 8.0, 192 rows
@@ -436,9 +436,9 @@ class EagleProposer:
             rows = range(n) if path is None else [0] + [1 + i for i in path]
             for j, r in enumerate(rows):
                 st.features[start + j] = features[row + r]
-            # no re-run reads further back than the window: older features go (a sequence that makes no guess
+            # no re-run reads further back than `history`: older features go (a sequence that makes no guess
             # would otherwise hold a view of every pass's features until it finishes)
-            for t in range(max(0, start - self.window - 1), start + len(rows) - self.window - 1):
+            for t in range(max(0, start - self.history - 1), start + len(rows) - self.history - 1):
                 st.features.pop(t, None)
             row += n
 
@@ -446,11 +446,11 @@ class EagleProposer:
         """One pass of the head over one-row entries [(table, position, 1)] (`keys`: each row's own key positions, a
         tree node's) -> (predicted features g [rows, hidden], draft logits in fp32 of `logits_rows`, default every
         row). A run of positions of one sequence is that many entries: every row's K/V is written before any row
-        attends, so each sees those before it. A row at position p reads no key before p + 1 - `window`. A pass of up
+        attends, so each sees those before it. A row at position p reads no key before p + 1 - `history`. A pass of up
         to `step_rows` rows is one `decode_step` call, where every row meets the LM head; a longer re-run runs the
         modules, and only `logits_rows` meet the LM head."""
-        floors = [max(0, p + 1 - self.window) for p in positions.tolist()]
-        if any(floors):  # rows past the window: their keys listed, those before the window left out
+        floors = [max(0, p + 1 - self.history) for p in positions.tolist()]
+        if any(floors):  # rows past `history`: their keys listed, the older ones left out
             keys = [range(f, c + 1) if ks is None else [q for q in ks if q >= f]
                     for (_, c, _), f, ks in zip(entries, floors, keys or [None] * len(entries))]
         meta = build_batch_meta(entries, self.cache.block_size, self.head.fc.weight.device, keys)
@@ -479,8 +479,8 @@ class EagleProposer:
         target's feature to position n - 1 (n = tokens the target has computed), its table grown for k - 1 more
         guesses; None if the head's pool is full. Features of positions it no longer needs are dropped."""
         st, n = self._state(seq), seq.num_computed
-        # at least one row (its prediction is the first guess), at most the window (no row reads further back)
-        start = max(min(st.held, n - 1), n - self.window)
+        # at least one row (its prediction is the first guess), at most `history` (no row reads further back)
+        start = max(min(st.held, n - 1), n - self.history)
         st.table.truncate(min(start, st.table.num_tokens))
         try: st.table.append_slots(n + k - 1 - st.table.num_tokens)
         except OutOfBlocks: return None

@@ -158,7 +158,7 @@ def test_head_kv_after_rerun_equals_a_fresh_run(model_dir, plain, tiny_head):
 
 
 def test_head_reads_a_window(model_dir, plain, tiny_head, monkeypatch):
-    """Past `EagleProposer.window` positions a head row reads the last `window` keys only: with every position's K/V
+    """Past `EagleProposer.history` positions a head row reads the last `history` keys only: with every position's K/V
     in the head's pool, a row's prediction equals the head's modules run afresh over the window (chapter 00a's
     attention, absolute positions), on the one-call step and on the layers; and a re-run after a gap covers only the
     window."""
@@ -174,11 +174,11 @@ def test_head_reads_a_window(model_dir, plain, tiny_head, monkeypatch):
         proposer, n = spec.engine.lookahead.proposer, seq.num_computed
         assert n >= 2 * window
         with torch.inference_mode():
-            monkeypatch.setattr(EagleProposer, "window", 10 ** 6)
+            monkeypatch.setattr(EagleProposer, "history", 10 ** 6)
             table, start, tokens, features = proposer._catch_up(seq, 1)
             assert start == 0
             proposer._forward([(table, start, tokens, features)])  # every position's K/V in the pool
-            monkeypatch.setattr(EagleProposer, "window", window)
+            monkeypatch.setattr(EagleProposer, "history", window)
             g, _ = proposer._forward([(table, n - 1, tokens[-1:], features[-1:])])  # the last position again
             ids = torch.tensor(seq.token_ids)
             want = proposer.head(ids[n - window + 1:n + 1], features[n - window:n], torch.arange(n - window, n),
@@ -193,7 +193,7 @@ def test_head_keeps_the_features_of_its_window_only(model_dir, plain, tiny_head,
     holds at most the window's (and one more), after its prompt and while it decodes with or without guesses."""
     from minfer.eagle import EagleProposer
     window = 16
-    monkeypatch.setattr(EagleProposer, "window", window)
+    monkeypatch.setattr(EagleProposer, "history", window)
     spec = LLM(model_dir, speculative={"method": "eagle", "model": tiny_head, "num_speculative_tokens": 2,
                                        "adaptive": True}, **SMALL)
     seq = Sequence(plain.tokenizer.encode(PROMPTS[4]), SamplingParams(max_tokens=40, ignore_eos=True),
