@@ -349,6 +349,8 @@ def rope_spec(d, params=None):
                     high_freq_factor=float(p.get("high_freq_factor", 4.0)),
                     original_max_position_embeddings=orig, short_factor=tuple(p.get("short_factor") or ()),
                     long_factor=tuple(p.get("long_factor") or ()), attention_factor=p.get("attention_factor"))
+    if kind == "default":  # plain RoPE: nothing more to read
+        return spec
     return ROPE_SCALINGS[kind].read_spec(spec, p, d)  # a scaling with parameters of its own reads them
 
 # the `quantization_config.quant_method`s a weight format reads: {name: what reads it}; the chapters that bring
