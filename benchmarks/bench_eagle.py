@@ -23,7 +23,8 @@ from pathlib import Path
 from minfer import LLM  # every chapter loaded: its weight formats, kernels and switches
 from minfer.sequence import SamplingParams
 from minfer.speculative import SPECULATORS, speculative_config
-from minfer.eagle import default_head_dir, tree_depths, TreeDraft
+from minfer.eagle import default_head_dir
+from minfer.trees import tree_depths, TreeDraft
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_decode import machine

@@ -291,7 +291,7 @@ class SpeculativeConfig:
     acceptance rates and this machine's step times, for the whole batch at once (k is then the most); None, the
     default: adaptive for a chain, a fixed k for a tree;
     tree: None (the guesses are a chain), "static" (a tree of a fixed shape) or "dynamic" (the shape the proposer's
-    own probabilities pick each step): k nodes, verified in one pass (chapter 10b)."""
+    own probabilities pick each step): k nodes, verified in one pass (chapter 10c)."""
     method: str
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 3
@@ -340,7 +340,7 @@ def speculative_config(value):
         raise ValueError(f"speculative tree={v.tree!r} is invalid; use None (a chain), 'static' or 'dynamic'")
     takers = {option: [name for name, cls in SPECULATORS.items() if option in cls.method_options]
               for option in ("tree", "model")}
-    if v.tree is not None and v.method not in takers["tree"]:  # chapter 10b's EAGLE head drafts trees
+    if v.tree is not None and v.method not in takers["tree"]:  # chapter 10c: an EAGLE head drafts trees
         growers = " or ".join(map(repr, takers["tree"])) or "(none)"
         raise ValueError(f"speculative tree={v.tree!r} is for method {growers} only (got {v.method!r})")
     if v.tree is not None and v.adaptive:
@@ -361,11 +361,12 @@ def _resolve_speculative(value, config):
 def _attach_speculator(engine, config):
     "Make the `Speculator` of `config.speculative` a built engine's `lookahead` (chapters 06a and 06b's hook)."
     if config.speculative is not None:
-        engine.lookahead = SPECULATORS[config.speculative.method](config.speculative, engine)
+        spec = config.speculative
+        engine.lookahead = SPECULATORS[spec.method].variant(spec)(spec, engine)
 
 def _method_refuses(c):
     "Why the speculative method of `c` cannot run with the rest of `c` (its `refuses`), or None."
-    return None if c.speculative is None else SPECULATORS[c.speculative.method].refuses(c)
+    return None if c.speculative is None else SPECULATORS[c.speculative.method].variant(c.speculative).refuses(c)
 
 def _rolls_back(c):
     "Whether the pool of `c` can drop a rejected guess's KV from its block (chapter 09's formats say)."
@@ -419,6 +420,12 @@ class Speculator(Lookahead):
     def resolve(cls, spec, model_folder):
         "The method's options filled in and checked for the target's folder (the engine's config calls it); none here."
         return spec
+
+    @classmethod
+    def variant(cls, spec):
+        """The class that runs the resolved `spec`: this one. A method whose options pick one of its subclasses says
+        which here (chapter 10b's EAGLE head: a chain of guesses, or the shape its `tree` option names, chapter 10c)."""
+        return cls
 
     def __init__(self, config, engine):
         "config: a resolved `SpeculativeConfig`; engine: the `LLMEngine` whose sequences it guesses for."

@@ -145,7 +145,7 @@ def test_cpu_attention_matches_paged_attention(cfg, lens, bs, dtype):
         assert ((got.float() - exact).abs() <= tol).all() and ((got.float() - want.float()).abs() <= tol).all()
 
 def test_cpu_attention_reads_explicit_key_lists(cfg):
-    """Rows with their own key lists (a token tree's nodes, chapter 10b: through one-slot blocks) beside rows that read
+    """Rows with their own key lists (a token tree's nodes, chapter 10c: through one-slot blocks) beside rows that read
     their whole table: chapter 03's gather over the same lists is the reference."""
     lens, bs = (1, 17, 40, 5, 33), 4
     keys = [None, [0, 3, 4, 9, 16], list(range(0, 40, 3)) + [39], None, list(range(30)) + [32]]

@@ -157,13 +157,13 @@ def test_head_kv_after_rerun_equals_a_fresh_run(model_dir, plain, tiny_head):
     torch.testing.assert_close(v_pool[slots], keep.v, atol=2e-3, rtol=1e-3)
 
 
-def test_head_reads_a_window(model_dir, plain, tiny_head, monkeypatch):
+def test_head_reads_its_history(model_dir, plain, tiny_head, monkeypatch):
     """Past `EagleProposer.history` positions a head row reads the last `history` keys only: with every position's K/V
-    in the head's pool, a row's prediction equals the head's modules run afresh over the window (chapter 00a's
+    in the head's pool, a row's prediction equals the head's modules run afresh over the history (chapter 00a's
     attention, absolute positions), on the one-call step and on the layers; and a re-run after a gap covers only the
-    window."""
+    history."""
     from minfer.eagle import EagleProposer
-    window = 16
+    history = 16
     for kernels in ("step", "cpu"):
         spec = LLM(model_dir, speculative={"method": "eagle", "model": tiny_head, "num_speculative_tokens": 2,
                                            "adaptive": False}, kernels=kernels, **SMALL)
@@ -172,28 +172,28 @@ def test_head_reads_a_window(model_dir, plain, tiny_head, monkeypatch):
         spec.engine.add(seq)
         while not seq.output_ids: spec.engine.step()  # the prompt: its features filed, no guess yet
         proposer, n = spec.engine.lookahead.proposer, seq.num_computed
-        assert n >= 2 * window
+        assert n >= 2 * history
         with torch.inference_mode():
             monkeypatch.setattr(EagleProposer, "history", 10 ** 6)
             table, start, tokens, features = proposer._catch_up(seq, 1)
             assert start == 0
             proposer._forward([(table, start, tokens, features)])  # every position's K/V in the pool
-            monkeypatch.setattr(EagleProposer, "history", window)
+            monkeypatch.setattr(EagleProposer, "history", history)
             g, _ = proposer._forward([(table, n - 1, tokens[-1:], features[-1:])])  # the last position again
             ids = torch.tensor(seq.token_ids)
-            want = proposer.head(ids[n - window + 1:n + 1], features[n - window:n], torch.arange(n - window, n),
+            want = proposer.head(ids[n - history + 1:n + 1], features[n - history:n], torch.arange(n - history, n),
                                  lambda layer, q, k, v, **kw: attend(q, k, v))[-1]
             proposer.states[seq.id].held = 0  # as if the sequence had made no guess since its prompt
-            assert proposer._catch_up(seq, 1)[1] == n - window  # the window's positions, not all n
+            assert proposer._catch_up(seq, 1)[1] == n - history  # the history's positions, not all n
         torch.testing.assert_close(g[0], want, atol=2e-3, rtol=1e-3)
 
 
-def test_head_keeps_the_features_of_its_window_only(model_dir, plain, tiny_head, monkeypatch):
-    """The target's features are filed after every pass, but no re-run reads further back than the window: a sequence
-    holds at most the window's (and one more), after its prompt and while it decodes with or without guesses."""
+def test_head_keeps_the_features_of_its_history_only(model_dir, plain, tiny_head, monkeypatch):
+    """The target's features are filed after every pass, but no re-run reads further back than the history: a sequence
+    holds at most the history's (and one more), after its prompt and while it decodes with or without guesses."""
     from minfer.eagle import EagleProposer
-    window = 16
-    monkeypatch.setattr(EagleProposer, "history", window)
+    history = 16
+    monkeypatch.setattr(EagleProposer, "history", history)
     spec = LLM(model_dir, speculative={"method": "eagle", "model": tiny_head, "num_speculative_tokens": 2,
                                        "adaptive": True}, **SMALL)
     seq = Sequence(plain.tokenizer.encode(PROMPTS[4]), SamplingParams(max_tokens=40, ignore_eos=True),
@@ -204,9 +204,9 @@ def test_head_keeps_the_features_of_its_window_only(model_dir, plain, tiny_head,
         spec.engine.step()
         if seq.id in proposer.states:
             held = proposer.states[seq.id].features
-            assert min(held) >= seq.num_computed - window - 1, (min(held), seq.num_computed)
+            assert min(held) >= seq.num_computed - history - 1, (min(held), seq.num_computed)
             sizes.append(len(held))
-    assert len(seq.token_ids) > 3 * window and max(sizes) <= window + 3, sizes
+    assert len(seq.token_ids) > 3 * history and max(sizes) <= history + 3, sizes
 
 
 def test_head_on_the_one_call_step_equals_its_modules(model_dir, plain, tiny_head, monkeypatch):

@@ -1,4 +1,4 @@
-"""Chapter 10b: token trees (EAGLE-2's static and dynamic trees, verified in one pass of the target).
+"""Chapter 10c: token trees (EAGLE-2's static and dynamic trees, verified in one pass of the target).
 
 References: plain decoding (speculative=None) for greedy outputs; a plain forward without a cache (`NoCache`, chapter
 00a) of each node's root path for the tree rows' logits; a paged prefill of the accepted tokens for the KV after
@@ -9,9 +9,9 @@ drafts); chapter 03's PyTorch attention over explicit key lists for the Triton t
 import gc, math, os
 import pytest, torch
 
-import minfer.eagle as eagle_mod
-from minfer.eagle import static_tree, best_nodes, tree_sample, tree_greedy, tree_decode_attention, tree_children
-from minfer.eagle import root_paths, TreeDraft
+import minfer.trees as trees_mod
+from minfer.trees import static_tree, best_nodes, tree_sample, tree_greedy, tree_decode_attention, tree_children
+from minfer.trees import root_paths, TreeDraft
 from minfer.engine import EngineConfig
 from minfer.llm import LLM
 from minfer.model import NoCache, attend
@@ -93,11 +93,11 @@ def test_tree_rows_equal_a_plain_forward_of_their_path(model_dir, plain, tiny_he
 
 def test_kv_after_compaction_equals_a_prefill(model_dir, plain, tiny_head, monkeypatch):
     "After verifies that moved kept nodes, the sequence's K/V equal a paged prefill of the same tokens, every layer."
-    moved, move_kv = [], eagle_mod.move_kv
+    moved, move_kv = [], trees_mod.move_kv
     def counting(cache, src, dst):
         moved.append(len(src))
         move_kv(cache, src, dst)
-    monkeypatch.setattr(eagle_mod, "move_kv", counting)
+    monkeypatch.setattr(trees_mod, "move_kv", counting)
     spec = tree_llm(model_dir, tiny_head, "static")
     seq = Sequence(plain.tokenizer.encode(PROMPTS[0]), SamplingParams(max_tokens=40, ignore_eos=True), plain.tokenizer)
     spec.engine.add(seq)
@@ -247,6 +247,21 @@ def test_triton_tree_kernel_matches_the_reference(model_dir, dtype):
 
 
 # ---- the switch ------------------------------------------------------------------------------------------------------
+def test_trees_plug_in_through_eagle_trees(model_dir, random_head):
+    """Chapter 10c adds its trees through chapter 10b's `EAGLE_TREES` (10a's `Speculator.variant` looks them up): a
+    chain stays 10b's `EagleSpeculator`, a tree is 10c's `TreeSpeculator`, and a shape that is taken is refused."""
+    from minfer.eagle import EAGLE_TREES, EagleSpeculator
+    from minfer.trees import TreeSpeculator
+    assert EAGLE_TREES["static"] is EAGLE_TREES["dynamic"] is TreeSpeculator
+    chain = LLM(model_dir, speculative={"method": "eagle", "model": random_head, "num_speculative_tokens": 2}, **SMALL)
+    tree = tree_llm(model_dir, random_head, "static", n=2)
+    assert type(chain.engine.lookahead) is EagleSpeculator and type(tree.engine.lookahead) is TreeSpeculator
+    class Bushier(TreeSpeculator):
+        pass
+    with pytest.raises(ValueError, match="registered already"):
+        EAGLE_TREES.register("static", Bushier)
+
+
 def test_tree_switch_refusals_one_line(model_dir, random_head):
     base = {"method": "eagle", "model": random_head, "tree": "static"}
     bad = [(dict(speculative=base, kernels="torch", attention="triton"), "attention='triton' reads whole block tables"),

@@ -340,8 +340,8 @@ WORKSHOP_PLANS = [
         (15, [], "break"),
         (25, ["08"], "fewer bytes per weight: INT4 weights with AWQ's scales, and what they cost in perplexity"),
         (20, ["09"], "fewer bytes per cached token: a quantized KV cache"),
-        (25, ["10a", "10b"], "more tokens per weight read: speculative decoding, then an EAGLE head on the target's "
-                           "own features"),
+        (30, ["10a", "10b", "10c"], "more tokens per weight read: speculative decoding, an EAGLE head on the "
+                                    "target's own features, then token trees"),
         (20, ["11"], "prefill and decode apart: the prefill/decode split"),
     ]),
 ]
