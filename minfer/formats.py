@@ -510,7 +510,9 @@ void fp4_matmul(const void* W, const T* x, T* y, int64_t rows, int64_t n_in, int
   }
   using BlockRows = void (*)(const uint8_t*, const uint8_t*, int64_t, const int8_t*, const float*,
                              const int32_t*, float*);
-  static constexpr BlockRows by_rows[SCALED_ROWS + 1] = {
+  // not `static`: GCC would make it one symbol per process (STB_GNU_UNIQUE), and a second build of
+  // this source loaded beside the first (a test's other instruction set) would call the first's
+  const BlockRows by_rows[SCALED_ROWS + 1] = {
       nullptr, block_rows_fp4<FMT, 1>, block_rows_fp4<FMT, 2>, block_rows_fp4<FMT, 3>,
       block_rows_fp4<FMT, 4>, block_rows_fp4<FMT, 5>, block_rows_fp4<FMT, 6>,
       block_rows_fp4<FMT, 7>, block_rows_fp4<FMT, 8>};
