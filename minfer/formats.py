@@ -153,7 +153,7 @@ class ScaledLinear(nn.Module):
         return self._step_bytes
 
     def cpu_matmul(self, x):
-        "The C++ kernel on x [..., in]: the codes decoded in registers, any number of rows."
+        "The C++ kernel on x [..., in] (any number of rows): the codes read where they are multiplied."
         rows = x.reshape(-1, self.in_features).contiguous()
         y = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype)
         if rows.shape[0]:
@@ -318,6 +318,41 @@ template <> struct Format<FMT_NVFP4> {
 
 constexpr int64_t SCALED_ROWS = 8;  // rows of x per pass over the weights
 
+#if defined(__AVX2__) && defined(__F16C__)
+// E4M3 bytes (in 16-bit lanes) -> fp16 bits: the sign to bit 15, exponent and mantissa up by 7
+// bits. fp16's exponent bias (15) is 8 more than E4M3's (7), so that fp16 number is the value
+// / 256 exactly, subnormals included
+static inline __m256i e4m3_as_fp16(__m256i b) {
+  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
+  const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7);
+  return _mm256_or_si256(sign, rest);
+}
+
+// E8M0 codes (in 32-bit lanes) -> fp32 bits: the code is the exponent field (code 0 stands for
+// 2^-127, a subnormal; 255 for NaN)
+static inline __m256i e8m0_bits(__m256i c) {
+  const __m256i bits = _mm256_slli_epi32(c, 23);
+  const __m256i zero = _mm256_cmpeq_epi32(c, _mm256_setzero_si256());
+  const __m256i nan = _mm256_cmpeq_epi32(c, _mm256_set1_epi32(255));
+  const __m256i low = _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x00400000), zero);
+  return _mm256_blendv_epi8(low, _mm256_set1_epi32(0x7FC00000), nan);
+}
+// A block's 16 rows' scale codes -> their values in two halves of 8, computed rather than gathered
+// from a table (a gather costs more than the rest of a group's work)
+template <int FMT> static inline void scales_of_16(const uint8_t* codes, __m256 halves[2]) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+  if constexpr (FMT == FMT_MXFP4) {
+    halves[0] = _mm256_castsi256_ps(e8m0_bits(_mm256_cvtepu8_epi32(bytes)));
+    halves[1] = _mm256_castsi256_ps(e8m0_bits(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))));
+  } else {
+    const __m256i fp16 = e4m3_as_fp16(_mm256_cvtepu8_epi16(bytes));
+    const __m256 unit = _mm256_set1_ps(256.0f);
+    halves[0] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(fp16)), unit);
+    halves[1] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(fp16, 1)), unit);
+  }
+}
+#endif
+
 // One FP8 weight row q against n <= SCALED_ROWS rows of x (fp32, n_in apart) -> out[r], before the
 // row scale.
 static void fp8_row_dots(const uint8_t* q, const float* x, int64_t n, int64_t n_in, float* out) {
@@ -325,16 +360,9 @@ static void fp8_row_dots(const uint8_t* q, const float* x, int64_t n, int64_t n_
   __m512 acc[SCALED_ROWS];
   for (int64_t r = 0; r < n; ++r)
     acc[r] = _mm512_setzero_ps();
-  // E4M3 -> fp16 bits: the sign to bit 15, exponent and mantissa up by 7 bits. fp16's exponent
-  // bias (15) is 8 more than E4M3's (7), so that fp16 number is the value / 256 exactly,
-  // subnormals included; x 256 at the end
-  const __m256i sign = _mm256_set1_epi16(0x80), rest = _mm256_set1_epi16(0x7F);
-  for (int64_t i = 0; i < n_in; i += 16) {
+  for (int64_t i = 0; i < n_in; i += 16) {  // 16 weights as fp16, the value / 256 (x 256 below)
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i));
-    const __m256i b = _mm256_cvtepu8_epi16(bytes);
-    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, sign), 8),
-                                      _mm256_slli_epi16(_mm256_and_si256(b, rest), 7));
-    const __m512 w = _mm512_cvtph_ps(h);
+    const __m512 w = _mm512_cvtph_ps(e4m3_as_fp16(_mm256_cvtepu8_epi16(bytes)));
     for (int64_t r = 0; r < n; ++r)
       acc[r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + r * n_in + i), acc[r]);
   }
@@ -390,7 +418,6 @@ static void block_rows_fp4(const uint8_t* q, const uint8_t* gs, int64_t n_in, co
                            const float* steps, const int32_t* sums, float* out) {
   constexpr int64_t G = Format<FMT>::group, per_group = G / 8;  // pieces of 8 inputs x 16 rows
   const int64_t groups = n_in / G, x_blocks = n_in / Q8_BLOCK;
-  const float* scale_of = Format<FMT>::scales();
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   const __m128i table16 = _mm_load_si128(reinterpret_cast<const __m128i*>(E2M1_TWICE_PLUS_12));
   const __m512i table = _mm512_broadcast_i32x4(table16);  // the same 16 bytes in each 128-bit lane
@@ -413,8 +440,10 @@ static void block_rows_fp4(const uint8_t* q, const uint8_t* gs, int64_t n_in, co
         dot[r] = _mm512_dpbusd_epi32(dot[r], hi, _mm512_set1_epi32(load_i32(x8 + 4)));
       }
     }
-    const __m128i scale_codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(gs + g * 16));
-    const __m512 scale = _mm512_i32gather_ps(_mm512_cvtepu8_epi32(scale_codes), scale_of, 4);
+    __m256 halves[2];
+    scales_of_16<FMT>(gs + g * 16, halves);
+    const __m512d low = _mm512_castpd256_pd512(_mm256_castps_pd(halves[0]));
+    const __m512 scale = _mm512_castpd_ps(_mm512_insertf64x4(low, _mm256_castps_pd(halves[1]), 1));
     for (int r = 0; r < R; ++r) {
       const __m512i offset = _mm512_set1_epi32(E2M1_OFFSET * sums[r * groups + g]);
       const __m512 step = _mm512_set1_ps(steps[r * x_blocks + g * G / Q8_BLOCK]);
@@ -424,7 +453,7 @@ static void block_rows_fp4(const uint8_t* q, const uint8_t* gs, int64_t n_in, co
   }
   for (int r = 0; r < R; ++r)
     _mm512_storeu_ps(out + r * 16, acc[r]);
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   // without VNNI: maddubs multiplies the unsigned bytes by x's signed ones and adds pairs into
   // 16 bits (lo's and hi's pairs added: at most 4 x 24 x 128, no saturation), madd with ones adds
   // those into 32 bits; 8 lanes, so [h] = outputs 8h .. 8h + 7
@@ -435,6 +464,8 @@ static void block_rows_fp4(const uint8_t* q, const uint8_t* gs, int64_t n_in, co
   for (int r = 0; r < R; ++r)
     acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
+    __m256 scales[2];
+    scales_of_16<FMT>(gs + g * 16, scales);
     for (int h = 0; h < 2; ++h) {
       __m256i dot[R];
       for (int r = 0; r < R; ++r)
@@ -453,14 +484,11 @@ static void block_rows_fp4(const uint8_t* q, const uint8_t* gs, int64_t n_in, co
           dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(pairs, ones));
         }
       }
-      const uint8_t* half_codes = gs + g * 16 + 8 * h;
-      const __m128i scale_codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(half_codes));
-      const __m256 scale = _mm256_i32gather_ps(scale_of, _mm256_cvtepu8_epi32(scale_codes), 4);
       for (int r = 0; r < R; ++r) {
         const __m256i offset = _mm256_set1_epi32(E2M1_OFFSET * sums[r * groups + g]);
         const __m256 step = _mm256_set1_ps(steps[r * x_blocks + g * G / Q8_BLOCK]);
         const __m256 centred = _mm256_cvtepi32_ps(_mm256_sub_epi32(dot[r], offset));
-        acc[r][h] = _mm256_fmadd_ps(centred, _mm256_mul_ps(scale, step), acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(centred, _mm256_mul_ps(scales[h], step), acc[r][h]);
       }
     }
   }
@@ -469,6 +497,7 @@ static void block_rows_fp4(const uint8_t* q, const uint8_t* gs, int64_t n_in, co
       _mm256_storeu_ps(out + r * 16 + 8 * h, acc[r][h]);
 #else
   // the definition, one output at a time
+  const float* scale_of = Format<FMT>::scales();
   for (int r = 0; r < R; ++r)
     for (int64_t j = 0; j < 16; ++j) {
       float sum = 0;
@@ -721,8 +750,8 @@ def check_format_config(folder, name):
                          f"{SUPPORTED_FORMATS}")
     if isinstance(activations, dict) and not activations.get("dynamic"):
         raise ValueError(f"{folder}: static activation scales (input_activations {activations}) are for kernels "
-                         "that multiply quantized activations; minfer multiplies the weights by activations in the "
-                         f"model's dtype; {SUPPORTED_FORMATS}")
+                         "that multiply quantized activations; minfer scales activations as each call "
+                         f"finds them; {SUPPORTED_FORMATS}")
 
 def format_path(name):
     "The behaviours path of weight format `name` (these formats run none of chapter 00a's `BEHAVIOURS`)."
