@@ -414,8 +414,9 @@ constexpr int32_t E2M1_OFFSET = 12;
 // sums: x's codes summed per group): out [R, 16], before the row scale and the 1/2. Per group g:
 //   y_j += scale_jg * step * (sum_{i in g} (2 w_ji + 12) xq_i  -  12 * sum_{i in g} xq_i)
 template <int FMT, int R>
-static void block_rows_fp4(const uint8_t* q, const uint8_t* gs, int64_t n_in, const int8_t* xq,
-                           const float* steps, const int32_t* sums, float* out) {
+static void block_rows_fp4(const uint8_t* q, const uint8_t* gs, int64_t n_in,
+                           const signed char* xq, const float* steps, const int32_t* sums,
+                           float* out) {
   constexpr int64_t G = Format<FMT>::group, per_group = G / 8;  // pieces of 8 inputs x 16 rows
   const int64_t groups = n_in / G, x_blocks = n_in / Q8_BLOCK;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -435,7 +436,7 @@ static void block_rows_fp4(const uint8_t* q, const uint8_t* gs, int64_t n_in, co
       const __m512i high4 = _mm512_and_si512(_mm512_srli_epi16(c, 4), low4);
       const __m512i hi = _mm512_shuffle_epi8(table, high4);
       for (int r = 0; r < R; ++r) {
-        const int8_t* x8 = xq + r * n_in + g * G + o * 8;
+        const signed char* x8 = xq + r * n_in + g * G + o * 8;
         dot[r] = _mm512_dpbusd_epi32(dot[r], lo, _mm512_set1_epi32(load_i32(x8)));
         dot[r] = _mm512_dpbusd_epi32(dot[r], hi, _mm512_set1_epi32(load_i32(x8 + 4)));
       }
@@ -477,7 +478,7 @@ static void block_rows_fp4(const uint8_t* q, const uint8_t* gs, int64_t n_in, co
         const __m256i high4 = _mm256_and_si256(_mm256_srli_epi16(c, 4), low4);
         const __m256i hi = _mm256_shuffle_epi8(table, high4);
         for (int r = 0; r < R; ++r) {
-          const int8_t* x8 = xq + r * n_in + g * G + o * 8;
+          const signed char* x8 = xq + r * n_in + g * G + o * 8;
           const __m256i lo_pairs = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(x8)));
           const __m256i hi_pairs = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(x8 + 4)));
           const __m256i pairs = _mm256_add_epi16(lo_pairs, hi_pairs);
@@ -506,7 +507,7 @@ static void block_rows_fp4(const uint8_t* q, const uint8_t* gs, int64_t n_in, co
         for (int64_t o = 0; o < per_group; ++o)
           for (int64_t t = 0; t < 4; ++t) {
             const uint8_t c = q[(g * per_group + o) * 64 + 4 * j + t];
-            const int8_t* x8 = xq + r * n_in + g * G + o * 8;
+            const signed char* x8 = xq + r * n_in + g * G + o * 8;
             dot += E2M1_TWICE_PLUS_12[c & 15] * x8[t] + E2M1_TWICE_PLUS_12[c >> 4] * x8[4 + t];
           }
         const float step = steps[r * x_blocks + g * G / Q8_BLOCK];
@@ -527,7 +528,7 @@ void fp4_matmul(const void* W, const T* x, T* y, int64_t rows, int64_t n_in, int
   const uint8_t* codes = static_cast<const uint8_t*>(W);
   const uint8_t* group_scales = codes + blocks * 16 * n_in / 2;
   const uint8_t* row_scales = group_scales + blocks * 16 * groups;
-  std::vector<int8_t> xq(rows * n_in);
+  std::vector<signed char> xq(rows * n_in);
   std::vector<float> steps(rows * x_blocks);
   std::vector<int32_t> block_sums(rows * x_blocks), sums(rows * groups);
   quantize_rows_q8(x, rows * x_blocks, xq.data(), steps.data(), block_sums.data());
@@ -537,8 +538,8 @@ void fp4_matmul(const void* W, const T* x, T* y, int64_t rows, int64_t n_in, int
       sum += xq[g * G + i];
     sums[g] = sum;
   }
-  using BlockRows = void (*)(const uint8_t*, const uint8_t*, int64_t, const int8_t*, const float*,
-                             const int32_t*, float*);
+  using BlockRows = void (*)(const uint8_t*, const uint8_t*, int64_t, const signed char*,
+                             const float*, const int32_t*, float*);
   // not `static`: GCC would make it one symbol per process (STB_GNU_UNIQUE), and a second build of
   // this source loaded beside the first (a test's other instruction set) would call the first's
   const BlockRows by_rows[SCALED_ROWS + 1] = {
