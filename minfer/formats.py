@@ -277,7 +277,7 @@ FORMAT_CPU_SOURCE = AWQ_CPU_SOURCE + r"""
 // MXFP4 and NVFP4 (`pack_fp4x8`): per block of 16 output rows, the E2M1 codes in chapter 08a's
 // `pack_q4x8` order; then per block and group the 16 rows' scale codes; then one fp32 scale per
 // output row (out rounded up to a multiple of 16).
-enum { FMT_FP8 = 0, FMT_MXFP4 = 1, FMT_NVFP4 = 2 };
+enum { FMT_MXFP4 = 1, FMT_NVFP4 = 2 };
 
 // sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0: subnormal
 static float e4m3_value(uint8_t c) {
@@ -301,12 +301,8 @@ template <float (*VALUE)(uint8_t)> static const float* byte_table() {
 }
 static const float* e4m3_table() { return byte_table<e4m3_value>(); }
 
-// each format's scale table (group scale code -> value); FP8 has no group scales
+// each 4-bit format's group and scale table (group scale code -> value)
 template <int FMT> struct Format;
-template <> struct Format<FMT_FP8> {
-  static constexpr int64_t group = 0;
-  static const float* scales() { return nullptr; }
-};
 template <> struct Format<FMT_MXFP4> {
   static constexpr int64_t group = 32;
   static const float* scales() { return byte_table<e8m0_value>(); }
