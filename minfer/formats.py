@@ -8,9 +8,9 @@ Docs: https://minfer.github.io/minfer/formats.html.md"""
 __all__ = ['FP8_MAX', 'FP4_MAX', 'E2M1_VALUES', 'DECODERS', 'FORMAT_CPU_SOURCE', 'FORMAT_NAMES', 'FORMAT_MODULES',
            'SUPPORTED_FORMATS', 'FORMAT_ABOUT', 'e2m1_encode', 'e2m1_decode', 'e8m0_decode', 'e4m3_encode',
            'e4m3_decode', 'pack_nibbles', 'unpack_nibbles', 'ScaledLinear', 'fuse_scaled', 'Fp8Linear', 'Mxfp4Linear',
-           'Nvfp4Linear', 'format_cpu_kernels', 'format_cpu_available', 'scaled_gemm', 'format_quantization_config',
-           'folder_quantization', 'declared_format', 'check_format_config', 'format_path', 'load_format_model',
-           'quantize_format_folder']
+           'Nvfp4Linear', 'pack_fp4x8', 'format_cpu_kernels', 'format_cpu_available', 'scaled_gemm',
+           'format_quantization_config', 'folder_quantization', 'declared_format', 'check_format_config', 'format_path',
+           'load_format_model', 'quantize_format_folder']
 
 # %% ../nbs/08b_formats.ipynb #c80fc56d
 import ctypes, functools, json, shutil
@@ -28,7 +28,8 @@ from .model import (DTYPES, QUANT_METHODS, WeightFormat, check_behaviours, load_
                           register_weight_format)
 from .roofline import DTYPE_BYTES, DTYPE_PEAKS
 from .cpu_kernels import build_cpu_kernels, load_kernels, _kernel
-from .cpu_step import CPU_STEP_SOURCE, STEP_CXX_FLAGS, openmp_runtimes, _STEP_ARGS
+from .cpu_step import STEP_CXX_FLAGS, openmp_runtimes, _STEP_ARGS
+from .awq_kernels import AWQ_CPU_SOURCE, pack_q4x8
 from .awq import (QUANTIZE_METHODS, QuantizeMethod, TOKENIZER_FILES, checkpoint_projections,
                         dense_checkpoint_tensors, load_projections)
 
@@ -84,8 +85,10 @@ class ScaledLinear(nn.Module):
     codes: uint8 [out, in] (8-bit values) or [out, in/2] (two 4-bit values a byte, `pack_nibbles`); group_scales:
     uint8 [out, in/group], codes of the scale format (None: no groups); row_scales: fp32 [out], what is left of a
     per-tensor or per-row scale. A subclass names the formats: `value_format`, `scale_format`, `group`, and reads and
-    writes its checkpoint layout (`from_checkpoint`, `checkpoint_tensors`). CPU (fp32, bf16): a C++ kernel decodes
-    the codes in registers; CUDA: a Triton kernel; otherwise dequantise, then matmul (`reference`)."""
+    writes its checkpoint layout (`from_checkpoint`, `checkpoint_tensors`).
+    CPU (fp32, bf16; inputs a multiple of 32): a C++ kernel (FP8 decoded in registers, E2M1 as
+    small integers times x rounded to 8 bits); CUDA: a Triton kernel; else dequantise, then matmul
+    (`reference`)."""
     name = ""
     value_format, scale_format, group = "e4m3", None, 0
     value_bits = 8
@@ -133,21 +136,24 @@ class ScaledLinear(nn.Module):
     def forward(self, x):
         if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32):
             return scaled_gemm(x, self)
-        if x.is_cpu and x.dtype in (torch.float32, torch.bfloat16) and format_cpu_available():
+        on_cpu = x.is_cpu and x.dtype in (torch.float32, torch.bfloat16)
+        if on_cpu and self.in_features % 32 == 0 and format_cpu_available():
             return self.cpu_matmul(x)
         return self.reference(x)
 
     def step_bytes(self):
-        "One uint8 buffer for the C++ kernels: the codes, the group scales' codes, the row scales' fp32 bytes."
-        if self._step_bytes is None:
-            parts = [self.codes.reshape(-1), self.row_scales.view(torch.uint8)]
-            if self.group_scales is not None:
-                parts.insert(1, self.group_scales.reshape(-1))
-            self._step_bytes = torch.cat(parts)
+        """One uint8 buffer for the C++ kernels, made on the first call: FP8's codes, then its row
+        scales' fp32 bytes; the 4-bit formats' tensors in `pack_fp4x8`'s layout."""
+        if self._step_bytes is None and self.value_bits == 4:
+            codes = unpack_nibbles(self.codes)
+            self._step_bytes = pack_fp4x8(codes, self.group_scales, self.row_scales)
+        elif self._step_bytes is None:
+            row_scale_bytes = self.row_scales.view(torch.uint8)
+            self._step_bytes = torch.cat([self.codes.reshape(-1), row_scale_bytes])
         return self._step_bytes
 
     def cpu_matmul(self, x):
-        "The C++ kernel on x [..., in]: the codes decoded in registers, any number of rows."
+        "The C++ kernel on x [..., in] (any number of rows): the codes read where they are multiplied."
         rows = x.reshape(-1, self.in_features).contiguous()
         y = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype)
         if rows.shape[0]:
@@ -158,7 +164,10 @@ class ScaledLinear(nn.Module):
 
     def step_weights(self):
         """What chapter 05c's one-call decode step reads for this projection: (bytes, group, (name, kernel table)):
-        `step_bytes`, read by `decode_step_<format>`."""
+        `step_bytes`, read by `decode_step_<format>` (x in blocks of 32 inputs)."""
+        if self.in_features % 32:
+            raise ValueError(f"{self.name}: the CPU step reads inputs in blocks of 32; "
+                             f"{self.in_features} is not a multiple of 32; use kernels='torch'")
         return self.step_bytes(), self.group, (f"decode_step_{self.name}", format_cpu_kernels())
 
     def extra_repr(self):
@@ -260,171 +269,349 @@ class Nvfp4Linear(ScaledLinear):
         return cls(packed, scale.view(torch.uint8), row_scales)
 
 # %% ../nbs/08b_formats.ipynb #fa80e40c
-FORMAT_CPU_SOURCE = CPU_STEP_SOURCE + r"""
-// ---- chapter 08b: FP8, MXFP4 and NVFP4 weights, decoded in registers ----
+FORMAT_CPU_SOURCE = AWQ_CPU_SOURCE + r"""
+// ---- chapter 08b: FP8 decoded in registers; MXFP4 and NVFP4 as small integers times 8-bit x ----
 #include <array>
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define MINFER_SCALED_AVX512
-#endif
 
-// `ScaledLinear.step_bytes`: the codes ([out, in] bytes, or [out, in/2]: two E2M1 codes a byte, input 2j in the low
-// nibble), then the group scales' codes ([out, in/G] bytes; none for FP8), then one fp32 scale per output row.
-enum { FMT_FP8 = 0, FMT_MXFP4 = 1, FMT_NVFP4 = 2 };
+// `ScaledLinear.step_bytes`. FP8: the codes ([out, in] bytes), then one fp32 scale per output row.
+// MXFP4 and NVFP4 (`pack_fp4x8`): per block of 16 output rows, the E2M1 codes in chapter 08a's
+// `pack_q4x8` order; then per block and group the 16 rows' scale codes; then one fp32 scale per
+// output row (out rounded up to a multiple of 16).
+enum { FMT_MXFP4 = 1, FMT_NVFP4 = 2 };
 
-alignas(64) static const float E2M1_TABLE[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
-                                                 -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
-
-static float e4m3_value(uint8_t c) {  // sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0: subnormal
+// sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0: subnormal
+static float e4m3_value(uint8_t c) {
   const int e = (c >> 3) & 15, m = c & 7;
   const float v = e ? std::ldexp(1.0f + m / 8.0f, e - 7) : std::ldexp((float)m, -9);
   return (c & 0x80) ? -v : v;
 }
 static float e8m0_value(uint8_t c) { return c == 255 ? NAN : std::ldexp(1.0f, (int)c - 127); }
 
-// every byte's value, computed once (C++ makes the first call's initialisation thread-safe): a kernel reads a scale
-// from the table, never through `std::ldexp`, a library call that costs more than the 32 weights it scales
+// every byte's value, computed once (C++ makes the first call's initialisation thread-safe): a
+// kernel reads a scale from the table, never through `std::ldexp`, a library call that costs more
+// than the 32 weights it scales
 template <float (*VALUE)(uint8_t)> static const float* byte_table() {
   static const std::array<float, 256> table = [] {
     std::array<float, 256> t{};
-    for (int c = 0; c < 256; ++c) t[c] = VALUE((uint8_t)c);
+    for (int c = 0; c < 256; ++c)
+      t[c] = VALUE((uint8_t)c);
     return t;
   }();
   return table.data();
 }
 static const float* e4m3_table() { return byte_table<e4m3_value>(); }
 
-// each format's scale table (group scale code -> value); FP8 has no group scales
+// each 4-bit format's group and scale table (group scale code -> value)
 template <int FMT> struct Format;
-template <> struct Format<FMT_FP8> {
-  static constexpr int64_t per_byte = 1, group = 0;
-  static const float* scales() { return nullptr; }
-};
 template <> struct Format<FMT_MXFP4> {
-  static constexpr int64_t per_byte = 2, group = 32;
+  static constexpr int64_t group = 32;
   static const float* scales() { return byte_table<e8m0_value>(); }
 };
 template <> struct Format<FMT_NVFP4> {
-  static constexpr int64_t per_byte = 2, group = 16;
+  static constexpr int64_t group = 16;
   static const float* scales() { return e4m3_table(); }
 };
 
-// where input i of a row of x sits for the 4-bit formats: per block of 32, the even inputs, then the odd ones (the
-// order the low and high nibbles come out in)
-static inline int64_t fp4_order(int64_t i) { return (i / 32) * 32 + (i % 2) * 16 + (i % 32) / 2; }
+constexpr int64_t SCALED_ROWS = 8;  // rows of x per pass over the weights
 
-constexpr int64_t SCALED_ROWS = 8;  // rows of x per pass over a weight row
+#if defined(__AVX2__) && defined(__F16C__)
+// E4M3 bytes (in 16-bit lanes) -> fp16 bits: the sign to bit 15, exponent and mantissa up by 7
+// bits. fp16's exponent bias (15) is 8 more than E4M3's (7), so that fp16 number is the value
+// / 256 exactly, subnormals included
+static inline __m256i e4m3_as_fp16(__m256i b) {
+  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
+  const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7);
+  return _mm256_or_si256(sign, rest);
+}
 
-// One weight row (codes q, group scale codes gs) against n <= SCALED_ROWS rows of x (fp32, n_in apart, the 4-bit
-// formats' in `fp4_order`) -> out[r], before the row scale.
-template <int FMT>
-static void row_dots(const uint8_t* q, const uint8_t* gs, const float* x, int64_t n, int64_t n_in, float* out) {
-  using F = Format<FMT>;
-#ifdef MINFER_SCALED_AVX512
+// E8M0 codes (in 32-bit lanes) -> fp32 bits: the code is the exponent field (code 0 stands for
+// 2^-127, a subnormal; 255 for NaN)
+static inline __m256i e8m0_bits(__m256i c) {
+  const __m256i bits = _mm256_slli_epi32(c, 23);
+  const __m256i zero = _mm256_cmpeq_epi32(c, _mm256_setzero_si256());
+  const __m256i nan = _mm256_cmpeq_epi32(c, _mm256_set1_epi32(255));
+  const __m256i low = _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x00400000), zero);
+  return _mm256_blendv_epi8(low, _mm256_set1_epi32(0x7FC00000), nan);
+}
+// A block's 16 rows' scale codes -> their values in two halves of 8, computed rather than gathered
+// from a table (a gather costs more than the rest of a group's work)
+template <int FMT> static inline void scales_of_16(const uint8_t* codes, __m256 halves[2]) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+  if constexpr (FMT == FMT_MXFP4) {
+    halves[0] = _mm256_castsi256_ps(e8m0_bits(_mm256_cvtepu8_epi32(bytes)));
+    halves[1] = _mm256_castsi256_ps(e8m0_bits(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))));
+  } else {
+    const __m256i fp16 = e4m3_as_fp16(_mm256_cvtepu8_epi16(bytes));
+    const __m256 unit = _mm256_set1_ps(256.0f);
+    halves[0] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(fp16)), unit);
+    halves[1] = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(fp16, 1)), unit);
+  }
+}
+#endif
+
+// One FP8 weight row q against n <= SCALED_ROWS rows of x (fp32, n_in apart) -> out[r], before the
+// row scale.
+static void fp8_row_dots(const uint8_t* q, const float* x, int64_t n, int64_t n_in, float* out) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
   __m512 acc[SCALED_ROWS];
-  for (int64_t r = 0; r < n; ++r) acc[r] = _mm512_setzero_ps();
-  if (FMT == FMT_FP8) {
-    // E4M3 -> fp16 bits: the sign to bit 15, exponent and mantissa up by 7 bits. fp16's exponent bias (15) is 8 more
-    // than E4M3's (7), so that fp16 number is the value / 256 exactly, subnormals included; x 256 at the end
-    const __m256i sign = _mm256_set1_epi16(0x80), rest = _mm256_set1_epi16(0x7F);
-    for (int64_t i = 0; i < n_in; i += 16) {
-      const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i)));
-      const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, sign), 8),
-                                        _mm256_slli_epi16(_mm256_and_si256(b, rest), 7));
-      const __m512 w = _mm512_cvtph_ps(h);
-      for (int64_t r = 0; r < n; ++r) acc[r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + r * n_in + i), acc[r]);
-    }
-    for (int64_t r = 0; r < n; ++r) out[r] = 256.0f * _mm512_reduce_add_ps(acc[r]);
-    return;
+  for (int64_t r = 0; r < n; ++r)
+    acc[r] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n_in; i += 16) {  // 16 weights as fp16, the value / 256 (x 256 below)
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i));
+    const __m512 w = _mm512_cvtph_ps(e4m3_as_fp16(_mm256_cvtepu8_epi16(bytes)));
+    for (int64_t r = 0; r < n; ++r)
+      acc[r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + r * n_in + i), acc[r]);
   }
-  // 16 bytes hold 32 inputs: lane j has input 2j in its low nibble, 2j + 1 in its high one; a 16-entry permute of
-  // E2M1's table decodes 16 codes at once. The odd inputs sum apart from the even ones: two chains of FMAs a row,
-  // so one does not wait for the other's latency
-  const __m512 table = _mm512_load_ps(E2M1_TABLE);
-  const __m512i low4 = _mm512_set1_epi32(15);
-  const float* scale_of = F::scales();
-  __m512 acc_odd[SCALED_ROWS];
-  for (int64_t r = 0; r < n; ++r) acc_odd[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < n_in / 32; ++b) {
-    const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * b)));
-    __m512 s;
-    if (FMT == FMT_MXFP4) {
-      s = _mm512_set1_ps(scale_of[gs[b]]);
-    } else {  // two groups of 16 per block: lanes 0-7 hold inputs 0-15, lanes 8-15 inputs 16-31
-      s = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(scale_of[gs[2 * b]]), _mm512_set1_ps(scale_of[gs[2 * b + 1]]));
-    }
-    const __m512 even = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(c, low4), table), s);
-    const __m512 odd = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), table), s);
-    for (int64_t r = 0; r < n; ++r) {
-      const float* xb = x + r * n_in + 32 * b;
-      acc[r] = _mm512_fmadd_ps(even, _mm512_loadu_ps(xb), acc[r]);
-      acc_odd[r] = _mm512_fmadd_ps(odd, _mm512_loadu_ps(xb + 16), acc_odd[r]);
-    }
-  }
-  for (int64_t r = 0; r < n; ++r) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], acc_odd[r]));
+  for (int64_t r = 0; r < n; ++r)
+    out[r] = 256.0f * _mm512_reduce_add_ps(acc[r]);
 #else
-  // the definition, one weight at a time, from tables
-  for (int64_t r = 0; r < n; ++r) out[r] = 0;
-  for (int64_t i = 0; i < n_in; ++i) {
-    float w;
-    int64_t at = i;
-    if (FMT == FMT_FP8) {
-      w = e4m3_table()[q[i]];
-    } else {
-      w = E2M1_TABLE[(q[i / 2] >> (4 * (i % 2))) & 15] * F::scales()[gs[i / F::group]];
-      at = fp4_order(i);
-    }
-    for (int64_t r = 0; r < n; ++r) out[r] += w * x[r * n_in + at];
-  }
+  // the definition, one weight at a time, from the table
+  for (int64_t r = 0; r < n; ++r)
+    out[r] = 0;
+  for (int64_t i = 0; i < n_in; ++i)
+    for (int64_t r = 0; r < n; ++r)
+      out[r] += e4m3_table()[q[i]] * x[r * n_in + i];
 #endif
 }
 
-// y = x W^T for x [rows, n_in] (n_in a multiple of 32), W in `step_bytes`' layout: output rows split over OpenMP's
-// threads, each weight row decoded once per SCALED_ROWS rows of x
-template <int FMT, typename T>
-void scaled_matmul(const void* W, const T* x, T* y, int64_t rows, int64_t n_in, int64_t n_out) {
-  using F = Format<FMT>;
+// y = x W^T for x [rows, n_in] (n_in a multiple of 32), W FP8 in `step_bytes`' layout: output rows
+// split over OpenMP's threads, each weight row decoded once per SCALED_ROWS rows of x
+template <typename T>
+void fp8_matmul(const void* W, const T* x, T* y, int64_t rows, int64_t n_in, int64_t n_out) {
   const uint8_t* codes = static_cast<const uint8_t*>(W);
-  const uint8_t* group_scales = codes + n_out * n_in / F::per_byte;
-  const uint8_t* row_scales = group_scales + (F::group ? n_out * n_in / F::group : 0);
+  const uint8_t* row_scales = codes + n_out * n_in;
   std::vector<float> xf(rows * n_in);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t i = 0; i < n_in; ++i) {
-      const int64_t at = F::per_byte == 1 ? i : fp4_order(i);
-      xf[r * n_in + at] = Num<T>::load(x[r * n_in + i]);
-    }
+  for (int64_t i = 0; i < rows * n_in; ++i)
+    xf[i] = Num<T>::load(x[i]);
 #pragma omp parallel for schedule(static)
   for (int64_t o = 0; o < n_out; ++o) {
     float row_scale;
     std::memcpy(&row_scale, row_scales + 4 * o, 4);
-    const uint8_t* q = codes + o * n_in / F::per_byte;
-    const uint8_t* gs = F::group ? group_scales + o * n_in / F::group : nullptr;
     for (int64_t r0 = 0; r0 < rows; r0 += SCALED_ROWS) {
       const int64_t n = rows - r0 < SCALED_ROWS ? rows - r0 : SCALED_ROWS;
       float dots[SCALED_ROWS];
-      row_dots<FMT>(q, gs, xf.data() + r0 * n_in, n, n_in, dots);
-      for (int64_t r = 0; r < n; ++r) y[(r0 + r) * n_out + o] = Num<T>::store(dots[r] * row_scale);
+      fp8_row_dots(codes + o * n_in, xf.data() + r0 * n_in, n, n_in, dots);
+      for (int64_t r = 0; r < n; ++r)
+        y[(r0 + r) * n_out + o] = Num<T>::store(dots[r] * row_scale);
+    }
+  }
+}
+
+// E2M1 as integers: twice each value is 0, 1, 2, 3, 4, 6, 8 or 12 with its sign, so 2 x value + 12
+// is a byte in 0 .. 24, what an unsigned-by-signed byte dot product multiplies. Indexed by the
+// 4-bit code it is a 16-entry table: one byte shuffle looks up 32 (AVX2) or 64 (AVX-512) codes at
+// once. The + 12 comes back out per group as 12 x (x's 8-bit codes summed over it); the 2 with the
+// row scale.
+alignas(16) static const uint8_t E2M1_TWICE_PLUS_12[16] = {12, 13, 14, 15, 16, 18, 20, 24,
+                                                           12, 11, 10, 9, 8, 6, 4, 0};
+constexpr int32_t E2M1_OFFSET = 12;
+
+// Output rows [16 block, 16 block + 16) for R rows of quantised x (xq, one step per 32 inputs;
+// sums: x's codes summed per group): out [R, 16], before the row scale and the 1/2. Per group g:
+//   y_j += scale_jg * step * (sum_{i in g} (2 w_ji + 12) xq_i  -  12 * sum_{i in g} xq_i)
+template <int FMT, int R>
+static void block_rows_fp4(const uint8_t* q, const uint8_t* gs, int64_t n_in,
+                           const signed char* xq, const float* steps, const int32_t* sums,
+                           float* out) {
+  constexpr int64_t G = Format<FMT>::group, per_group = G / 8;  // pieces of 8 inputs x 16 rows
+  const int64_t groups = n_in / G, x_blocks = n_in / Q8_BLOCK;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  const __m128i table16 = _mm_load_si128(reinterpret_cast<const __m128i*>(E2M1_TWICE_PLUS_12));
+  const __m512i table = _mm512_broadcast_i32x4(table16);  // the same 16 bytes in each 128-bit lane
+  const __m512i low4 = _mm512_set1_epi8(15);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r)
+    acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i dot[R];
+    for (int r = 0; r < R; ++r)
+      dot[r] = _mm512_setzero_si512();
+    for (int64_t o = 0; o < per_group; ++o) {  // 8 inputs: 16 lanes x (4 low + 4 high nibbles)
+      const __m512i c = _mm512_loadu_si512(q + (g * per_group + o) * 64);
+      const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(c, low4));
+      const __m512i high4 = _mm512_and_si512(_mm512_srli_epi16(c, 4), low4);
+      const __m512i hi = _mm512_shuffle_epi8(table, high4);
+      for (int r = 0; r < R; ++r) {
+        const signed char* x8 = xq + r * n_in + g * G + o * 8;
+        dot[r] = _mm512_dpbusd_epi32(dot[r], lo, _mm512_set1_epi32(load_i32(x8)));
+        dot[r] = _mm512_dpbusd_epi32(dot[r], hi, _mm512_set1_epi32(load_i32(x8 + 4)));
+      }
+    }
+    __m256 halves[2];
+    scales_of_16<FMT>(gs + g * 16, halves);
+    const __m512d low = _mm512_castpd256_pd512(_mm256_castps_pd(halves[0]));
+    const __m512 scale = _mm512_castpd_ps(_mm512_insertf64x4(low, _mm256_castps_pd(halves[1]), 1));
+    for (int r = 0; r < R; ++r) {
+      const __m512i offset = _mm512_set1_epi32(E2M1_OFFSET * sums[r * groups + g]);
+      const __m512 step = _mm512_set1_ps(steps[r * x_blocks + g * G / Q8_BLOCK]);
+      const __m512 centred = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r], offset));
+      acc[r] = _mm512_fmadd_ps(centred, _mm512_mul_ps(scale, step), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    _mm512_storeu_ps(out + r * 16, acc[r]);
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  // without VNNI: maddubs multiplies the unsigned bytes by x's signed ones and adds pairs into
+  // 16 bits (lo's and hi's pairs added: at most 4 x 24 x 128, no saturation), madd with ones adds
+  // those into 32 bits; 8 lanes, so [h] = outputs 8h .. 8h + 7
+  const __m128i table16 = _mm_load_si128(reinterpret_cast<const __m128i*>(E2M1_TWICE_PLUS_12));
+  const __m256i table = _mm256_broadcastsi128_si256(table16);
+  const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r)
+    acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 scales[2];
+    scales_of_16<FMT>(gs + g * 16, scales);
+    for (int h = 0; h < 2; ++h) {
+      __m256i dot[R];
+      for (int r = 0; r < R; ++r)
+        dot[r] = _mm256_setzero_si256();
+      for (int64_t o = 0; o < per_group; ++o) {
+        const uint8_t* piece = q + (g * per_group + o) * 64 + 32 * h;
+        const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(piece));
+        const __m256i lo = _mm256_shuffle_epi8(table, _mm256_and_si256(c, low4));
+        const __m256i high4 = _mm256_and_si256(_mm256_srli_epi16(c, 4), low4);
+        const __m256i hi = _mm256_shuffle_epi8(table, high4);
+        for (int r = 0; r < R; ++r) {
+          const signed char* x8 = xq + r * n_in + g * G + o * 8;
+          const __m256i lo_pairs = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(x8)));
+          const __m256i hi_pairs = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(x8 + 4)));
+          const __m256i pairs = _mm256_add_epi16(lo_pairs, hi_pairs);
+          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256i offset = _mm256_set1_epi32(E2M1_OFFSET * sums[r * groups + g]);
+        const __m256 step = _mm256_set1_ps(steps[r * x_blocks + g * G / Q8_BLOCK]);
+        const __m256 centred = _mm256_cvtepi32_ps(_mm256_sub_epi32(dot[r], offset));
+        acc[r][h] = _mm256_fmadd_ps(centred, _mm256_mul_ps(scales[h], step), acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h)
+      _mm256_storeu_ps(out + r * 16 + 8 * h, acc[r][h]);
+#else
+  // the definition, one output at a time
+  const float* scale_of = Format<FMT>::scales();
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = 0; j < 16; ++j) {
+      float sum = 0;
+      for (int64_t g = 0; g < groups; ++g) {
+        int32_t dot = 0;
+        for (int64_t o = 0; o < per_group; ++o)
+          for (int64_t t = 0; t < 4; ++t) {
+            const uint8_t c = q[(g * per_group + o) * 64 + 4 * j + t];
+            const signed char* x8 = xq + r * n_in + g * G + o * 8;
+            dot += E2M1_TWICE_PLUS_12[c & 15] * x8[t] + E2M1_TWICE_PLUS_12[c >> 4] * x8[4 + t];
+          }
+        const float step = steps[r * x_blocks + g * G / Q8_BLOCK];
+        sum += scale_of[gs[g * 16 + j]] * step * (float)(dot - E2M1_OFFSET * sums[r * groups + g]);
+      }
+      out[r * 16 + j] = sum;
+    }
+#endif
+}
+
+// y = x W^T for x [rows, n_in] (n_in a multiple of 32), W MXFP4 or NVFP4 in `pack_fp4x8`'s layout:
+// x quantised once (chapter 08a's `quantize_rows_q8`), then each block of 16 weight rows read once
+// for all rows of x, 8 at a time
+template <int FMT, typename T>
+void fp4_matmul(const void* W, const T* x, T* y, int64_t rows, int64_t n_in, int64_t n_out) {
+  constexpr int64_t G = Format<FMT>::group;
+  const int64_t blocks = (n_out + 15) / 16, groups = n_in / G, x_blocks = n_in / Q8_BLOCK;
+  const uint8_t* codes = static_cast<const uint8_t*>(W);
+  const uint8_t* group_scales = codes + blocks * 16 * n_in / 2;
+  const uint8_t* row_scales = group_scales + blocks * 16 * groups;
+  std::vector<signed char> xq(rows * n_in);
+  std::vector<float> steps(rows * x_blocks);
+  std::vector<int32_t> block_sums(rows * x_blocks), sums(rows * groups);
+  quantize_rows_q8(x, rows * x_blocks, xq.data(), steps.data(), block_sums.data());
+  for (int64_t g = 0; g < rows * groups; ++g) {  // per group (NVFP4's 16 halve 08a's blocks of 32)
+    int32_t sum = 0;
+    for (int64_t i = 0; i < G; ++i)
+      sum += xq[g * G + i];
+    sums[g] = sum;
+  }
+  using BlockRows = void (*)(const uint8_t*, const uint8_t*, int64_t, const signed char*,
+                             const float*, const int32_t*, float*);
+  // not `static`: GCC would make it one symbol per process (STB_GNU_UNIQUE), and a second build of
+  // this source loaded beside the first (a test's other instruction set) would call the first's
+  const BlockRows by_rows[SCALED_ROWS + 1] = {
+      nullptr, block_rows_fp4<FMT, 1>, block_rows_fp4<FMT, 2>, block_rows_fp4<FMT, 3>,
+      block_rows_fp4<FMT, 4>, block_rows_fp4<FMT, 5>, block_rows_fp4<FMT, 6>,
+      block_rows_fp4<FMT, 7>, block_rows_fp4<FMT, 8>};
+#pragma omp parallel for schedule(static)
+  for (int64_t block = 0; block < blocks; ++block) {
+    const uint8_t* block_codes = codes + block * 16 * n_in / 2;
+    const uint8_t* block_scales = group_scales + block * 16 * groups;
+    for (int64_t r0 = 0; r0 < rows; r0 += SCALED_ROWS) {
+      const int64_t n = rows - r0 < SCALED_ROWS ? rows - r0 : SCALED_ROWS;
+      float part[SCALED_ROWS * 16];
+      by_rows[n](block_codes, block_scales, n_in, xq.data() + r0 * n_in,
+                 steps.data() + r0 * x_blocks, sums.data() + r0 * groups, part);
+      for (int64_t j = 0; j < 16 && block * 16 + j < n_out; ++j) {
+        float row_scale;
+        std::memcpy(&row_scale, row_scales + 4 * (block * 16 + j), 4);
+        for (int64_t r = 0; r < n; ++r)
+          y[(r0 + r) * n_out + 16 * block + j] = Num<T>::store(row_scale / 2 * part[16 * r + j]);
+      }
     }
   }
 }
 
 // chapter 05c's decode step reading every projection in one of these formats
-template <int FMT, typename T> struct ScaledWeights {
-  static void matvec(const void* W, const T* x, T* y, int64_t rows, int64_t n_in, int64_t n_out, int64_t) {
-    scaled_matmul<FMT, T>(W, x, y, rows, n_in, n_out);
+template <typename T> struct Fp8Weights {
+  static void matvec(const void* W, const T* x, T* y, int64_t rows, int64_t n_in, int64_t n_out,
+                     int64_t) {
+    fp8_matmul<T>(W, x, y, rows, n_in, n_out);
   }
 };
-template <typename T> using Fp8Weights = ScaledWeights<FMT_FP8, T>;
-template <typename T> using Mxfp4Weights = ScaledWeights<FMT_MXFP4, T>;
-template <typename T> using Nvfp4Weights = ScaledWeights<FMT_NVFP4, T>;
+template <int FMT, typename T> struct Fp4Weights {
+  static void matvec(const void* W, const T* x, T* y, int64_t rows, int64_t n_in, int64_t n_out,
+                     int64_t) {
+    fp4_matmul<FMT, T>(W, x, y, rows, n_in, n_out);
+  }
+};
+template <typename T> using Mxfp4Weights = Fp4Weights<FMT_MXFP4, T>;
+template <typename T> using Nvfp4Weights = Fp4Weights<FMT_NVFP4, T>;
 
-#define SCALED_MATMUL(NAME, FMT, T, S) extern "C" void matmul_##NAME##_##S(const void* W, const T* x, T* y, \
-    int64_t rows, int64_t n_in, int64_t n_out) { scaled_matmul<FMT, T>(W, x, y, rows, n_in, n_out); }
-#define SCALED_ENTRIES(T, S) SCALED_MATMUL(fp8, FMT_FP8, T, S) SCALED_MATMUL(mxfp4, FMT_MXFP4, T, S) \
-    SCALED_MATMUL(nvfp4, FMT_NVFP4, T, S) DECODE_STEP_OVER(decode_step_fp8, Fp8Weights, T, S) \
-    DECODE_STEP_OVER(decode_step_mxfp4, Mxfp4Weights, T, S) DECODE_STEP_OVER(decode_step_nvfp4, Nvfp4Weights, T, S)
+#define SCALED_MATMUL(NAME, WEIGHTS, T, S) \
+  extern "C" void matmul_##NAME##_##S(const void* W, const T* x, T* y, int64_t rows, \
+                                      int64_t n_in, int64_t n_out) { \
+    WEIGHTS<T>::matvec(W, x, y, rows, n_in, n_out, 0); \
+  }
+#define SCALED_ENTRIES(T, S) SCALED_MATMUL(fp8, Fp8Weights, T, S) \
+  SCALED_MATMUL(mxfp4, Mxfp4Weights, T, S) SCALED_MATMUL(nvfp4, Nvfp4Weights, T, S) \
+  DECODE_STEP_OVER(decode_step_fp8, Fp8Weights, T, S) \
+  DECODE_STEP_OVER(decode_step_mxfp4, Mxfp4Weights, T, S) \
+  DECODE_STEP_OVER(decode_step_nvfp4, Nvfp4Weights, T, S)
 BOTH_DTYPES(SCALED_ENTRIES)
 """
+
+def pack_fp4x8(codes, group_scales, row_scales):
+    """`fp4_matmul`'s layout: E2M1 codes [out, in] (in a multiple of 32), scale codes
+    [out, in / G] and fp32 row scales [out] -> one uint8 tensor: the codes in chapter 08a's
+    `pack_q4x8` order (per block of 16 output rows and 8 inputs, 64 bytes), then per block and
+    group the 16 rows' scale codes, then the row scales; out padded with zero rows to a multiple
+    of 16."""
+    n_out, n_in = codes.shape
+    groups = group_scales.shape[1] if group_scales.dim() == 2 else 0
+    fits = group_scales.shape[0] == n_out and row_scales.shape == (n_out,) and groups > 0
+    if n_in % 32 or not fits or n_in % groups or (n_in // groups) not in (16, 32):
+        raise ValueError(f"pack_fp4x8: codes [out, in] (in a multiple of 32), scale codes "
+                         f"[out, in / 16 or 32], row scales [out]; got {tuple(codes.shape)}, "
+                         f"{tuple(group_scales.shape)}, {tuple(row_scales.shape)}")
+    pad = -n_out % 16
+    codes, group_scales = F.pad(codes, (0, 0, 0, pad)), F.pad(group_scales, (0, 0, 0, pad))
+    n_rows = n_out + pad
+    ones = torch.ones(n_rows, 1)
+    code_bytes = pack_q4x8(codes, ones, torch.zeros_like(ones))[: n_rows * n_in // 2]  # its codes
+    per_block = group_scales.to(torch.uint8).reshape(n_rows // 16, 16, groups)
+    scale_bytes = per_block.transpose(1, 2).reshape(-1)  # [block, group, row]
+    row_scale_bytes = F.pad(row_scales.float(), (0, pad)).view(torch.uint8)
+    return torch.cat([code_bytes, scale_bytes, row_scale_bytes])
 
 FORMAT_NAMES = ("fp8", "mxfp4", "nvfp4")
 
@@ -560,8 +747,8 @@ def check_format_config(folder, name):
                          f"{SUPPORTED_FORMATS}")
     if isinstance(activations, dict) and not activations.get("dynamic"):
         raise ValueError(f"{folder}: static activation scales (input_activations {activations}) are for kernels "
-                         "that multiply quantized activations; minfer multiplies the weights by activations in the "
-                         f"model's dtype; {SUPPORTED_FORMATS}")
+                         "that multiply quantized activations; minfer scales activations as each call "
+                         f"finds them; {SUPPORTED_FORMATS}")
 
 def format_path(name):
     "The behaviours path of weight format `name` (these formats run none of chapter 00a's `BEHAVIOURS`)."
