@@ -337,7 +337,7 @@ BEHAVIOURS.update(
     partial_rotary=Behaviour(lambda cfg: cfg.rope.rotated_dims(cfg.head_dim) != cfg.head_dim,
                              "RoPE on part of each head"))
 # the paths that run only some behaviours and run these: the one-call step (chapter 05c) normalises q and k heads
-# and reads norms whose offset is folded into their weights; int4 KV (09) reads keys as every layer does, so it runs
+# and reads norms whose offset is folded into their weights; int4 KV (09a) reads keys as every layer does, so it runs
 # all but what changes how attention reads them
 runs_behaviours("kernels='step'", "qk_norm", "norm_offset")
 runs_behaviours("kv_dtype='int4'", "qk_norm", "norm_offset", "embed_scale", "sandwich_norms", "final_softcap",

@@ -1,4 +1,4 @@
-"""K and V in 8 bits (int8, fp8: 27% of fp32's bytes per token) or 4 bits KIVI-style (34% of bf16's), scales included.
+"""K and V in 8 bits (int8, fp8): 27% of fp32's bytes per token, one scale per token per KV head included.
 
 Docs: https://minfer.github.io/minfer/kvquant.html.md"""
 
@@ -6,19 +6,16 @@ Docs: https://minfer.github.io/minfer/kvquant.html.md"""
 
 # %% auto #0
 __all__ = ['KV_CPU_SOURCE', 'KV_DTYPE_RULES', 'KVFormat', 'key_rotation', 'register_kv_format', 'DequantizedView',
-           'QuantizedKVCache', 'load_scaled_tile', 'decode_attention_8bit', 'kv_cpu_kernels', 'QuantizedCpuAttention',
-           'pack_kivi_int4', 'unpack_kivi_int4', 'KIVIFormat', 'Int4View', 'Int4KVCache', 'Int4Chunks',
-           'Int4PagedAttention', 'load_int4_tile', 'decode_attention_int4', 'QuantizedTritonAttention',
-           'Int4TritonAttention', 'kv_logprobs', 'kv_quality']
+           'QuantizedKVCache', 'load_scaled_tile', 'decode_attention_8bit', 'QuantizedTritonAttention',
+           'kv_cpu_kernels', 'QuantizedCpuAttention', 'kv_logprobs', 'kv_quality']
 
 # %% ../nbs/09_kvquant.ipynb #ec536a26
 import functools, math
 from dataclasses import dataclass
 import torch
-import torch.nn.functional as F
 from .paged import (KV_FORMATS, KV_READERS, BlockAllocator, BlockTable, PagedAttention, PagedKVCache, PoolFormat,
                           attention_backend, build_batch_meta, formats_read_by, kv_cache_from_budget, kv_token_bytes)
-from .model import DTYPES, attend, runs_behaviours
+from .model import DTYPES
 from .engine import SWITCHES, Rule, Switch, _not_run
 from .cpu_kernels import CPU_KERNELS_SOURCE, CpuAttention, build_cpu_kernels, load_kernels, _kernel, _P, _I, _F
 from .flash import TritonAttention, split_kv_decode  # before triton: without a GPU it picks Triton's interpreter
@@ -179,6 +176,23 @@ def decode_attention_8bit(q, k_cache, v_cache, block_tables, seq_lens, num_split
     return split_kv_decode(q, kv, load_scaled_tile, block_tables, seq_lens, k.shape[1], k.shape[2], num_splits, scale,
                            block_n)
 
+class QuantizedTritonAttention(TritonAttention):
+    """Chapter 05a's Triton backend, reading this chapter's pools too: a decode step of a quantized layer runs 05a's
+    split-KV kernel with this chapter's loader (`decode_attention_8bit`); its prefill and mixed steps run chapter 03's
+    path, which dequantizes the rows it gathers. Layers in the model's dtype: as 05a's."""
+    def decode(self, q, k_cache, v_cache, meta):
+        if isinstance(k_cache, DequantizedView):
+            return decode_attention_8bit(q, k_cache, v_cache, meta.block_tables, meta.seq_lens)
+        return super().decode(q, k_cache, v_cache, meta)
+
+    def prefill(self, q, k_cache, v_cache, meta):
+        if isinstance(k_cache, torch.Tensor):
+            return super().prefill(q, k_cache, v_cache, meta)
+        return PagedAttention.attention(self, q, k_cache, v_cache, meta)
+
+KV_READERS.register(("triton", "int8"), QuantizedTritonAttention)  # attention="triton" reads both formats
+KV_READERS.register(("triton", "fp8"), QuantizedTritonAttention)
+
 # %% ../nbs/09_kvquant.ipynb #5b9c7d01
 KV_CPU_SOURCE = CPU_KERNELS_SOURCE + r"""
 // Chapter 05b's paged_decode over an int8 pool: codes [slots, n_kv, d] and one float scale per slot and KV head
@@ -259,360 +273,6 @@ class QuantizedCpuAttention(CpuAttention):
 
 KV_READERS.register(("cpu", "int8"), QuantizedCpuAttention)  # attention="cpu" over an int8 pool
 
-# %% ../nbs/09_kvquant.ipynb #3a1c4b02
-def pack_kivi_int4(codes):
-    "Codes 0..15 [..., d] (d even) -> uint8 [..., d / 2]: channel 2i in the low nibble of byte i, 2i + 1 in the high."
-    c = codes.to(torch.uint8)
-    return c[..., 0::2] | (c[..., 1::2] << 4)
-
-def unpack_kivi_int4(packed):
-    "The inverse of `pack_kivi_int4`: uint8 [..., d / 2] -> codes [..., d] (uint8, 0..15)."
-    return torch.stack((packed & 15, packed >> 4), -1).flatten(-2)
-
-@dataclass(frozen=True)
-class KIVIFormat(PoolFormat):
-    """KIVI's 4-bit KV (arXiv 2402.02750): asymmetric codes 0..15 with x ~ code * scale + zero, zero = the minimum and
-    scale = (maximum - minimum) / 15 of the slice that shares them, both stored in float16, two codes per byte.
-    Keys share them per channel over the tokens of a whole block (per KV head); values per token, in groups of `group`
-    channels. A block's keys can only be quantized once the block is complete: `Int4KVCache` keeps the tokens of a
-    block that is not yet complete at full precision (the residual window)."""
-    name: str = "int4"
-    group: int = 32  # channels of a value vector sharing a scale and zero (KIVI's group size)
-    # the residual window: a block once quantized cannot take back its newest tokens (`BlockTable.truncate`), and
-    # `read_blocks` moves the per-block tensors, not the window
-    truncatable, movable = False, False
-    # it runs only the behaviours paired with "kv_dtype='int4'" (`runs_behaviours`): its prefill reads its own way,
-    # so a behaviour that changes how attention reads the keys is refused
-    runs_all = False
-
-    def group_of(self, head_dim):
-        g = min(self.group, head_dim)
-        if head_dim % g or head_dim % 2:
-            raise ValueError(f"int4 KV needs an even head_dim divisible by {g}: {head_dim}")
-        return g
-
-    @staticmethod
-    def _quantize(x, dim):
-        "-> codes (float, 0..15), scale, zero (float16, size 1 along `dim`): one scale and zero per slice along `dim`."
-        x = x.float()
-        zero = x.amin(dim, keepdim=True).half()
-        scale = ((x.amax(dim, keepdim=True) - zero.float()) / 15).half()
-        s = scale.float()  # codes are computed with the float16 scale and zero that are stored, so they round-trip
-        codes = ((x - zero.float()) / torch.where(s > 0, s, torch.ones_like(s))).round().clamp(0, 15)
-        return codes, scale, zero
-
-    def quantize_keys(self, x):
-        "Keys of whole blocks [blocks, block_size, kv_heads, d] -> packed codes, and scale, zero [blocks, kv_heads, d]."
-        codes, scale, zero = self._quantize(x, 1)
-        return pack_kivi_int4(codes), scale[:, 0], zero[:, 0]
-
-    def quantize_values(self, x):
-        "Values [..., kv_heads, d] -> packed codes [..., kv_heads, d / 2], and scale, zero [..., kv_heads, d / group]."
-        codes, scale, zero = self._quantize(x.unflatten(-1, (-1, self.group_of(x.shape[-1]))), -1)
-        return pack_kivi_int4(codes.flatten(-2)), scale[..., 0], zero[..., 0]
-
-    @staticmethod
-    def dequantize_keys(packed, scale, zero, dtype=torch.float32):
-        "Packed codes [..., kv_heads, d / 2] with the scale and zero [..., kv_heads, d] of their blocks -> [..., d]."
-        return (unpack_kivi_int4(packed).float() * scale.float() + zero.float()).to(dtype)
-
-    @staticmethod
-    def dequantize_values(packed, scale, zero, dtype=torch.float32):
-        "Packed codes [..., kv_heads, d / 2] with their scale and zero [..., kv_heads, groups] -> [..., kv_heads, d]."
-        codes = unpack_kivi_int4(packed).float().unflatten(-1, (scale.shape[-1], -1))
-        return (codes * scale.float()[..., None] + zero.float()[..., None]).flatten(-2).to(dtype)
-
-    def block_bytes(self, cfg, block_size):
-        "Bytes of one block of K and V, all layers: codes, the keys' scale and zero per channel, the values' per group."
-        d, groups = cfg.head_dim, cfg.head_dim // self.group_of(cfg.head_dim)
-        per_head = 2 * block_size * d // 2 + 2 * 2 * d + 2 * 2 * block_size * groups  # codes, key s/z, value s/z
-        return cfg.num_hidden_layers * cfg.num_key_value_heads * per_head
-
-    def from_budget(self, cfg, budget_bytes, block_size, dtype, device, max_seqs):
-        "This format's pool (`Int4KVCache`, below): a residual slot for each of `max_seqs` sequences, blocks in the rest."
-        return Int4KVCache.from_budget(cfg, budget_bytes, block_size, dtype, device, self.name, max_seqs)
-
-KV_FORMATS.register("int4", KIVIFormat())
-runs_behaviours("kv_dtype='int4'", "qkv_bias", "o_bias", "mlp_bias", "hidden_act")  # chapter 00a's
-
-class Int4View:
-    """One layer's K (or V) of an `Int4KVCache` as chapter 03's attention reads it (like `DequantizedView`): rows
-    gathered by slot id come out in `dtype`, dequantized where their block is complete and quantized, and straight
-    from the residual window where it is not. `attend_chunk` is the prefill path (see `Int4KVCache`)."""
-    def __init__(self, cache, layer, which):
-        self.cache, self.layer, self.which = cache, layer, which
-        self.shape = (cache.num_blocks, cache.block_size, cache.cfg.num_key_value_heads, cache.cfg.head_dim)
-    def view(self, *shape): return self  # attention flattens the pool to [slots, heads, dim]; rows are read by slot
-    def __getitem__(self, idx): return self.rows(torch.arange(idx.start, idx.stop, device=self.cache.k.device))
-    def index_select(self, dim, idx): return self.rows(idx)
-
-    def rows(self, slots):
-        c, l, bs = self.cache, self.layer, self.cache.block_size
-        blocks = slots // bs
-        if self.which == "k":
-            x = c.format.dequantize_keys(c.k[l].flatten(0, 1)[slots], c.k_scale[l][blocks], c.k_zero[l][blocks],
-                                         c.dtype)
-        else:
-            x = c.format.dequantize_values(c.v[l].flatten(0, 1)[slots], c.v_scale[l].flatten(0, 1)[slots],
-                                           c.v_zero[l].flatten(0, 1)[slots], c.dtype)
-        partial = ~c.full[blocks]
-        if partial.any():  # rows of blocks not complete yet: the residual window, at full precision
-            res = (c.k_res if self.which == "k" else c.v_res)[l].flatten(0, 1)
-            x = torch.where(partial[:, None, None], res[c.res_of[blocks].clamp(min=0) * bs + slots % bs], x)
-        return x
-
-    def attend_chunk(self, q, v_flat, slots):
-        """Causal attention of a prefill chunk: q [T, Hq, d] are the last T of the n positions at `slots` (a slice or
-        ids from `table_slots`). Every query reads the complete blocks quantized and its
-        own block, up to itself, at full precision, unless it is the block's last token (then its block is complete
-        and quantized): the same as decode reads, so chunking does not change what a query sees."""
-        c, bs = self.cache, self.cache.block_size
-        if isinstance(slots, slice): slots = torch.arange(slots.start, slots.stop, device=q.device)
-        n, T = len(slots), len(q)
-        start = n - T
-        k, v = self.rows(slots).to(q.dtype), v_flat.rows(slots).to(q.dtype)
-        lo, hi = start // bs * bs, n // bs * bs  # the blocks this chunk completed: quantized now, but not for their own
-        if hi <= lo: return attend(q, k, v)      # queries (but the last), which read them at full precision
-        fresh = c.fresh  # the blocks this step completed, unquantized, as `store` assembled them to quantize them
-        assert fresh["layer"] == self.layer, "attend_chunk reads what the last `store` wrote: store this layer first"
-        at = fresh["done_at"][slots[lo:hi] // bs]
-        assert (at >= 0).all(), "a prefill chunk completed a block that `store` did not quantize in this step"
-        rows = at * bs + slots[lo:hi] % bs
-        k_x, v_x = fresh["k"][rows].to(q.dtype), fresh["v"][rows].to(q.dtype)
-        qpos = torch.arange(start, n, device=q.device)[:, None]
-        kpos, xpos = torch.arange(n, device=q.device), torch.arange(lo, hi, device=q.device)
-        reads_own = qpos % bs != bs - 1  # queries that read their own block at full precision
-        own = lambda pos: (pos // bs == qpos // bs) & reads_own
-        mask = torch.cat(((kpos <= qpos) & ~(own(kpos) & (kpos >= lo) & (kpos < hi)), (xpos <= qpos) & own(xpos)), 1)
-        q4, k4, v4 = (x.transpose(0, 1)[None] for x in (q, torch.cat((k, k_x)), torch.cat((v, v_x))))
-        return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, enable_gqa=True)[0].transpose(0, 1)
-
-class Int4KVCache(PagedKVCache):
-    """Chapter 03's pool in KIVI's 4-bit format. Per block (`tensors`, so copy-on-write and transfers move them):
-    codes `k`, `v` uint8 [layers, num_blocks, block_size, kv_heads, head_dim / 2]; `k_scale`, `k_zero` float16
-    [layers, num_blocks, kv_heads, head_dim] (per channel over the block's tokens); `v_scale`, `v_zero` float16
-    [layers, num_blocks, block_size, kv_heads, head_dim / group] (per token and group).
-    The residual window: a block that is not complete keeps its tokens in `dtype` in one of the residual slots
-    `k_res`, `v_res` [layers, slots, block_size, kv_heads, head_dim] (`res_of[block]`, -1 for none), and is quantized
-    by the `store` that writes its last token (`full[block]` then). A sequence has at most one incomplete block, so
-    one slot per running sequence suffices: `from_budget` reserves `max_seqs` of them out of the budget; a slot is
-    reused once its block is complete or freed, and more are added if ever needed (counted in `nbytes`)."""
-    def __init__(self, cfg, num_blocks, block_size=16, dtype=torch.float32, device="cpu", kv_dtype="int4",
-                 residual_slots=1):
-        self.format, self.kv_dtype, self.dtype = KV_FORMATS[kv_dtype], kv_dtype, dtype
-        self.format_name = kv_dtype
-        L, H, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
-        groups = d // self.format.group_of(d)
-        zeros = lambda *shape, dt=torch.float16: torch.zeros(shape, dtype=dt, device=device)
-        self.k, self.v = (zeros(L, num_blocks, block_size, H, d // 2, dt=torch.uint8) for _ in range(2))
-        self.k_scale, self.k_zero = (zeros(L, num_blocks, H, d) for _ in range(2))
-        self.v_scale, self.v_zero = (zeros(L, num_blocks, block_size, H, groups) for _ in range(2))
-        self.k_res, self.v_res = (zeros(L, residual_slots, block_size, H, d, dt=dtype) for _ in range(2))
-        self.full = torch.zeros(num_blocks, dtype=torch.bool, device=device)          # quantized yet?
-        self.res_of = torch.full((num_blocks,), -1, dtype=torch.int64, device=device)  # its residual slot, or -1
-        self.res_owner = [-1] * residual_slots                                        # each slot's block, or -1
-        self.cfg, self.num_blocks, self.block_size = cfg, num_blocks, block_size
-        self.allocator = BlockAllocator(num_blocks, block_size)
-        self.step, self.fresh = None, None
-
-    @property
-    def tensors(self):
-        return {"k": self.k, "v": self.v, "k_scale": self.k_scale, "k_zero": self.k_zero,
-                "v_scale": self.v_scale, "v_zero": self.v_zero}
-
-    @property
-    def nbytes(self): return super().nbytes + sum(t.numel() * t.element_size() for t in (self.k_res, self.v_res))
-
-    @staticmethod
-    def residual_bytes(cfg, block_size=16, dtype=torch.float32):
-        "Bytes of one residual slot: one block of K and V in the model's dtype, all layers (chapter 03's block)."
-        return PagedKVCache.block_bytes(cfg, block_size, dtype)
-
-    @classmethod
-    def from_budget(cls, cfg, budget_bytes, block_size=16, dtype=torch.float32, device="cpu", kv_dtype="int4",
-                    max_seqs=64):
-        "A residual slot for each of `max_seqs` sequences, and as many blocks as fit in the rest of `budget_bytes`."
-        reserved = max_seqs * cls.residual_bytes(cfg, block_size, dtype)
-        n = int((budget_bytes - reserved) // KV_FORMATS[kv_dtype].block_bytes(cfg, block_size))
-        if n < 1:
-            raise ValueError(f"a KV budget of {budget_bytes} bytes holds no int4 block of {block_size} tokens beside "
-                             f"the residual window of {max_seqs} sequences ({reserved} bytes)")
-        return cls(cfg, n, block_size, dtype, device, kv_dtype, residual_slots=max_seqs)
-
-    def residual_slot(self, block, keep=()):
-        "Block `block`'s residual slot: its own, else a free one, one whose block is quantized or freed, or a new one."
-        r = int(self.res_of[block])
-        if r >= 0: return r
-        full, ref = self.full.tolist(), self.allocator.refcount
-        r = next((r for r, b in enumerate(self.res_owner)
-                  if b < 0 or (b not in keep and (full[b] or ref[b] == 0))), None)
-        if r is None:  # every slot holds an incomplete block: grow (more running sequences than slots were reserved)
-            r = len(self.res_owner)
-            self.k_res, self.v_res = (torch.cat((t, torch.zeros_like(t)), 1) for t in (self.k_res, self.v_res))
-            self.res_owner += [-1] * r
-        if self.res_owner[r] >= 0: self.res_of[self.res_owner[r]] = -1
-        self.res_owner[r], self.res_of[block] = block, r
-        return r
-
-    def plan(self, slots):
-        """Once per step (every layer stores the same slots): group the new rows by block. A row goes to its block's
-        residual slot, unless its block completes now (then the block is quantized from its residual rows and the new
-        ones) or was complete already (a prefix-cache hit recomputing a cached block's last token: re-quantized)."""
-        bs, full = self.block_size, self.full.tolist()
-        by_block = {}
-        for row, s in enumerate(slots.tolist()): by_block.setdefault(s // bs, []).append((row, s % bs))
-        done, rewrite, partial = [], [], []
-        old_src, old_dst, new_rows, new_dst = [], [], [], []  # completed blocks: rows from the residual, and new rows
-        for b, items in by_block.items():
-            rows, offs = [r for r, _ in items], [o for _, o in items]
-            if full[b] and offs[0] > 0:
-                rewrite.append((b, rows, offs))
-            elif offs[-1] == bs - 1:  # complete now: quantized from its earlier tokens' residual rows and the new ones
-                at, r = len(done) * bs, int(self.res_of[b])
-                assert r >= 0 or offs[0] == 0, f"block {b} was written before without a residual slot"
-                old_src += [r * bs + o for o in range(offs[0])]
-                old_dst += [at + o for o in range(offs[0])]
-                new_rows += rows
-                new_dst += [at + o for o in offs]
-                done.append(b)
-            else: partial.append((b, rows, offs))
-        # completed blocks are quantized from now on (`store` reads their residual rows before it writes any), so their
-        # slots may go to this step's incomplete blocks; fresh or growing blocks are not quantized yet
-        t = lambda x: torch.tensor(x, dtype=torch.int64, device=self.k.device)
-        order = torch.arange(len(done) + len(partial), device=self.k.device)
-        self.full[t(done + [b for b, _, _ in partial])] = order < len(done)
-        res_rows, res_dst, growing = [], [], {b for b, _, _ in partial}
-        for b, rows, offs in partial:
-            r = self.residual_slot(b, keep=growing)
-            res_rows += rows
-            res_dst += [r * bs + o for o in offs]
-        done_at = torch.full((self.num_blocks,), -1, dtype=torch.int64, device=self.k.device)
-        done_at[t(done)] = torch.arange(len(done), device=self.k.device)
-        self.step = dict(slots=slots, layers=set(), res_rows=t(res_rows), res_dst=t(res_dst), done=t(done),
-                         done_at=done_at, old_src=t(old_src), old_dst=t(old_dst), new_rows=t(new_rows),
-                         new_dst=t(new_dst), rewrite=rewrite)
-
-    def store(self, layer, slots, k, v):
-        "Keys and values [T, kv_heads, head_dim] of T new tokens at flat slot ids `slots` of `layer` (see `plan`)."
-        p = self.step
-        if p is None or layer in p["layers"] or not (p["slots"] is slots or torch.equal(p["slots"], slots)):
-            self.plan(slots)
-            p = self.step
-        p["layers"].add(layer)
-        k, v = k.to(self.dtype), v.to(self.dtype)
-        H, d, bs = k.shape[1], k.shape[2], self.block_size
-        whole = {}
-        for name, res, x in (("k", self.k_res, k), ("v", self.v_res, v)):
-            flat = res[layer].view(-1, H, d)
-            w = x.new_empty(len(p["done"]) * bs, H, d)  # completed blocks: residual rows first, then this step's
-            w[p["old_dst"]], w[p["new_dst"]] = flat[p["old_src"]], x[p["new_rows"]]
-            flat[p["res_dst"]] = x[p["res_rows"]]       # then the incomplete blocks' rows (maybe into a freed slot)
-            whole[name] = w
-        if len(p["done"]): self.write_quantized(layer, p["done"], whole["k"].view(-1, bs, H, d),
-                                                whole["v"].view(-1, bs, H, d))
-        self.fresh = dict(layer=layer, done_at=p["done_at"], **whole)  # for `Int4View.attend_chunk`
-        for b, rows, offs in p["rewrite"]:
-            block_slots = torch.arange(b * bs, (b + 1) * bs, device=k.device)
-            kb, vb = (view.rows(block_slots)[None] for view in self.layer(layer))
-            kb[0, offs], vb[0, offs] = k[rows], v[rows]
-            self.write_quantized(layer, torch.tensor([b], device=k.device), kb, vb)
-
-    def write_quantized(self, layer, blocks, k, v):
-        "Quantize whole blocks of keys and values [n, block_size, kv_heads, head_dim] into blocks `blocks` of `layer`."
-        self.k[layer][blocks], self.k_scale[layer][blocks], self.k_zero[layer][blocks] = self.format.quantize_keys(k)
-        self.v[layer][blocks], self.v_scale[layer][blocks], self.v_zero[layer][blocks] = self.format.quantize_values(v)
-
-    def layer(self, layer): return Int4View(self, layer, "k"), Int4View(self, layer, "v")
-
-    def read_blocks(self, ids):
-        "Chapter 03's, plus whether each block is quantized yet and, for those that are not, their residual rows."
-        data, idx = super().read_blocks(ids), torch.as_tensor(list(ids), device=self.k.device)
-        data["full"], r = self.full[idx], self.res_of[idx].clamp(min=0)
-        data["k_res"], data["v_res"] = self.k_res[:, r], self.v_res[:, r]
-        return data
-
-    def write_blocks(self, ids, data):
-        super().write_blocks(ids, data)
-        ids = list(ids)
-        for i, (b, full) in enumerate(zip(ids, data["full"].tolist())):
-            self.full[b] = full
-            if not full:
-                r = self.residual_slot(b, keep=ids)
-                self.k_res[:, r], self.v_res[:, r] = (data[n][:, i].to(self.k_res.device) for n in ("k_res", "v_res"))
-
-class Int4Chunks:
-    """What a backend over an int4 pool changes (mixed in before it): a prefill chunk's queries read their own block
-    unquantized, from the residual window (`Int4View.attend_chunk`), through chapter 03's `attend_chunk` hook."""
-    def attend_chunk(self, q, k_flat, v_flat, slots):
-        return k_flat.attend_chunk(q, v_flat, slots)
-
-class Int4PagedAttention(Int4Chunks, PagedAttention):
-    "Chapter 03's PyTorch backend over an int4 pool."
-
-KV_READERS.register(("torch", "int4"), Int4PagedAttention)
-
-# %% ../nbs/09_kvquant.ipynb #7a3e51c9
-@triton.jit
-def load_int4_tile(KV, block, offset, kv_head, offs_d, k_ok, d_ok, dtype: tl.constexpr):
-    """Chapter 05a's `load_kv_tile` for an `Int4KVCache` layer: two codes a byte (channel 2i in the low nibble), then
-    code * scale + zero, with the keys' scale and zero per channel of their block and the values' per token and group
-    of `v_group` channels; the tokens of a block not complete yet (`Full[block]` 0) come from its residual slot
-    `Res_of[block]` at full precision. In `dtype`."""
-    (K, V, K_scale, K_zero, V_scale, V_zero, Full, Res_of, K_res, V_res, stride_b, stride_s, stride_h,
-     stride_kzb, stride_kzh, stride_vzb, stride_vzs, stride_vzh, stride_rb, stride_rs, stride_rh, v_group) = KV
-    mask = k_ok[:, None] & d_ok
-    at = block[:, None] * stride_b + offset[:, None] * stride_s + kv_head * stride_h + (offs_d // 2)[None, :]
-    nibble = ((offs_d % 2) * 4)[None, :]
-    kz_at = block[:, None] * stride_kzb + kv_head * stride_kzh + offs_d[None, :]  # keys: per channel of the block
-    k = (((tl.load(K + at, mask=mask, other=0) >> nibble) & 15).to(tl.float32)
-         * tl.load(K_scale + kz_at, mask=mask, other=0.0).to(tl.float32)
-         + tl.load(K_zero + kz_at, mask=mask, other=0.0).to(tl.float32))
-    vz_at = (block[:, None] * stride_vzb + offset[:, None] * stride_vzs + kv_head * stride_vzh
-             + (offs_d // v_group)[None, :])                                    # values: per token and group
-    v = (((tl.load(V + at, mask=mask, other=0) >> nibble) & 15).to(tl.float32)
-         * tl.load(V_scale + vz_at, mask=mask, other=0.0).to(tl.float32)
-         + tl.load(V_zero + vz_at, mask=mask, other=0.0).to(tl.float32))
-    in_residual = (tl.load(Full + block, mask=k_ok, other=1) == 0)[:, None] & mask
-    r_at = (tl.load(Res_of + block, mask=k_ok, other=0)[:, None] * stride_rb + offset[:, None] * stride_rs
-            + kv_head * stride_rh + offs_d[None, :])
-    k = tl.where(in_residual, tl.load(K_res + r_at, mask=in_residual, other=0.0).to(tl.float32), k)
-    v = tl.where(in_residual, tl.load(V_res + r_at, mask=in_residual, other=0.0).to(tl.float32), v)
-    return k.to(dtype), v.to(dtype)
-
-def decode_attention_int4(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, scale=None, block_n=None):
-    """Chapter 05a's split-KV decode over one layer of an `Int4KVCache`, its `Int4View`s `k_cache`, `v_cache` (both
-    views of the same pool and layer): q [B, Hq, D] -> [B, Hq, D], reading codes, scales and zeros tile by tile and
-    the residual window for blocks not complete yet."""
-    c, layer = k_cache.cache, k_cache.layer
-    k, k_scale, v_scale, k_res = c.k[layer], c.k_scale[layer], c.v_scale[layer], c.k_res[layer]
-    kv = (k, c.v[layer], k_scale, c.k_zero[layer], v_scale, c.v_zero[layer], c.full.view(torch.uint8), c.res_of, k_res,
-          c.v_res[layer], *k.stride()[:3], *k_scale.stride()[:2], *v_scale.stride()[:3], *k_res.stride()[:3],
-          c.format.group_of(c.cfg.head_dim))
-    return split_kv_decode(q, kv, load_int4_tile, block_tables, seq_lens, c.block_size, c.cfg.num_key_value_heads,
-                           num_splits, scale, block_n)
-
-class QuantizedTritonAttention(TritonAttention):
-    """Chapter 05a's Triton backend, reading this chapter's pools too: a decode step of a quantized layer runs 05a's
-    split-KV kernel with this chapter's loaders (`decode_attention_8bit`, `decode_attention_int4`); its prefill and
-    mixed steps run chapter 03's path, which dequantizes the rows it gathers. Layers in the model's dtype: as 05a's."""
-    def decode(self, q, k_cache, v_cache, meta):
-        if isinstance(k_cache, Int4View):
-            return decode_attention_int4(q, k_cache, v_cache, meta.block_tables, meta.seq_lens)
-        if isinstance(k_cache, DequantizedView):
-            return decode_attention_8bit(q, k_cache, v_cache, meta.block_tables, meta.seq_lens)
-        return super().decode(q, k_cache, v_cache, meta)
-
-    def prefill(self, q, k_cache, v_cache, meta):
-        if isinstance(k_cache, torch.Tensor): return super().prefill(q, k_cache, v_cache, meta)
-        return PagedAttention.attention(self, q, k_cache, v_cache, meta)
-
-class Int4TritonAttention(Int4Chunks, QuantizedTritonAttention):
-    "`QuantizedTritonAttention` over an int4 pool: its prefill chunks read their own blocks unquantized."
-
-KV_READERS.register(("triton", "int8"), QuantizedTritonAttention)  # attention="triton" reads every format
-KV_READERS.register(("triton", "fp8"), QuantizedTritonAttention)
-KV_READERS.register(("triton", "int4"), Int4TritonAttention)
-
 # %% ../nbs/09_kvquant.ipynb #646e3844
 @torch.inference_mode()
 def kv_logprobs(model, ids, kv_dtype="auto", chunk=32, block_size=16, attention="torch"):
@@ -621,9 +281,12 @@ def kv_logprobs(model, ids, kv_dtype="auto", chunk=32, block_size=16, attention=
     from the pool, so from its second chunk on the model works from stored, quantized KV, as in chunked prefill and
     decode. attention: the backend's name (chapter 03's `attention_backend` picks its reader of `kv_dtype`)."""
     n_blocks = -(-len(ids) // block_size)
-    args = (model.cfg, n_blocks, block_size, model.dtype, model.device)
-    cache = (Int4KVCache(*args) if kv_dtype == "int4" else QuantizedKVCache(*args, kv_dtype) if kv_dtype in KV_FORMATS
-             else PagedKVCache(*args))
+    plain = PagedKVCache.block_bytes(model.cfg, block_size, model.dtype)
+    per_block = KV_FORMATS[kv_dtype].block_bytes(model.cfg, block_size) if kv_dtype in KV_FORMATS else plain
+    # room for the sequence's blocks, and for one block in the model's dtype, which a format may keep aside for each
+    # running sequence (chapter 03's `max_seqs`)
+    budget = n_blocks * per_block + plain
+    cache = kv_cache_from_budget(model.cfg, budget, block_size, model.dtype, model.device, kv_dtype, max_seqs=1)
     table, attn = BlockTable(cache.allocator), attention_backend(attention, cache)
     out = []
     for start in range(0, len(ids), chunk):
@@ -635,10 +298,10 @@ def kv_logprobs(model, ids, kv_dtype="auto", chunk=32, block_size=16, attention=
     return torch.cat(out)[:-1]
 
 def kv_quality(model, ids, kv_dtypes=None, chunk=32):
-    """llama.cpp's and KIVI's measures of a lossy KV cache on text `ids`, each format against the model's own dtype
-    run the same way: perplexity, its change in %, mean and 99th-percentile KL(full || quantized) of the next-token
-    distribution, and how often the top token is the same (kv_dtypes: default every format). -> {kv_dtype: dict},
-    'auto' first."""
+    """llama.cpp's measures of a lossy KV cache on text `ids`, each format against the model's own dtype run the
+    same way: perplexity, its change in %, mean and 99th-percentile KL(full || quantized) of the next-token
+    distribution, and how often the top token is the same (kv_dtypes: default every format registered in
+    `KV_FORMATS`). -> {kv_dtype: dict}, 'auto' first."""
     ref = kv_logprobs(model, ids, "auto", chunk)
     target = torch.as_tensor(ids[1:], device=ref.device)[:, None]
     ppl0 = math.exp(-ref.gather(-1, target).mean().item())
@@ -678,6 +341,6 @@ KV_DTYPE_RULES = (
 )
 
 SWITCHES.register("kv_dtype", Switch(
-    "kv_dtype", "auto", "KV cache storage: auto = the model's dtype; int8, fp8, int4 (KIVI): quantized (ch. 09)",
+    "kv_dtype", "auto", "KV cache storage: auto = the model's dtype, else a quantized format of KV_FORMATS (ch. 09)",
     lambda: ("auto", *DTYPES, *KV_FORMATS), auto=lambda c: [c.dtype], rules=KV_DTYPE_RULES,
     engine_options=lambda c: dict(kv_format=c.kv_dtype if c.kv_dtype in KV_FORMATS else None)))

@@ -120,7 +120,7 @@ def describe_mixtral(d):
     return dict(describe_mistral(d), layer_mlps=(spec,) * n)
 
 BEHAVIOURS.register("experts", Behaviour(lambda cfg: bool(mixture_layers(cfg)), "mixtures of experts in place of MLPs"))
-runs_behaviours("kv_dtype='int4'", "experts")  # chapter 09's int4 KV: the MLPs are not its business
+runs_behaviours("kv_dtype='int4'", "experts")  # chapter 09a's int4 KV: the MLPs are not its business
 
 MODEL_FAMILIES.register("qwen3_moe", Family(
     describe_qwen3_moe, about="Qwen3-MoE (30B-A3B, 235B-A22B): 128 experts, top 8"))

@@ -11,7 +11,8 @@ from hypothesis import given, settings, HealthCheck, strategies as st
 
 from minfer.engine import LLMEngine, make_workload
 from minfer.paged import PagedKVCache
-from minfer.kvquant import QuantizedKVCache, Int4KVCache, kv_logprobs
+from minfer.kvquant import QuantizedKVCache, kv_logprobs
+from minfer.kivi import Int4KVCache
 from minfer.kvcache import cached_generate, ContiguousKVCache
 from minfer.sequence import Sequence, SamplingParams
 from minfer.llm import LLM

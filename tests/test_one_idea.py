@@ -23,6 +23,8 @@ VOCABULARY = {
     "08a_awq_kernels": ["q4x8", "awq_gemm", "awq_cpu", "int8"],
     "08b_formats": ["fp8", "mxfp4", "nvfp4", "e2m1", "e8m0", "e4m3", "microscal", "ScaledLinear"],
     "09_kvquant": ["kv_dtype", "kvquant", "kv_quant"],
+    # 09a's 4-bit KV; "int4" alone is chapter 08's word (4-bit weights)
+    "09a_kivi": ["kivi", "residual_slot", "res_owner", "int4_tile", "attention_int4", "int4 kv"],
     "10a_speculative": ["speculat", "draft", "ngram", "prompt_lookup", "proposer", "num_speculative_tokens",
                         "SPECULATORS", "accepted_tokens", "spec_judged", "spec_accepted"],
     "10b_eagle": ["eagle"],
