@@ -129,7 +129,8 @@ def reference(model_dir):
 
 @pytest.fixture(scope="module")
 def split(model_dir):
-    llm = LLM(model_dir, tensor_parallel_size=2, max_num_batched_tokens=32, prefix_cache=True)
+    llm = LLM(model_dir, tensor_parallel_size=2, max_num_batched_tokens=32, prefix_cache=True,
+              kv_cache_bytes=2**27)
     pids = [p.pid for p in llm.engine.procs.values()]
     yield llm
     llm.close()
@@ -175,7 +176,7 @@ def test_forks_and_aborts(reference, split):
 
 
 def test_a_dead_rank_ends_requests_with_an_error(model_dir):
-    llm = LLM(model_dir, tensor_parallel_size=2)
+    llm = LLM(model_dir, tensor_parallel_size=2, kv_cache_bytes=2**27)
     pids = [p.pid for p in llm.engine.procs.values()]
     try:
         seq, = llm.add_request("Once upon a time", SamplingParams(max_tokens=200, ignore_eos=True), raw=True)
@@ -202,7 +203,7 @@ def test_two_machines_from_torchrun_environment(reference):
         import minfer.tp
         from minfer import LLM, SamplingParams
         minfer.tp.VOCAB_PARALLEL = False  # the switch off: rank 0 tells the worker, whose embedding and head stay whole
-        llm = LLM(tensor_parallel_size=2)
+        llm = LLM(tensor_parallel_size=2, kv_cache_bytes=2**27)
         assert "LM head replicated" in repr(llm.engine)
         print(llm.generate("The capital of France is", SamplingParams(max_tokens=12, ignore_eos=True), raw=True)[0].token_ids)
         llm.close()
@@ -226,7 +227,7 @@ def test_no_rank_outlives_the_program(tmp_path):
     script.write_text(textwrap.dedent("""
         from minfer import LLM, SamplingParams
         if __name__ == "__main__":
-            llm = LLM(tensor_parallel_size=2)
+            llm = LLM(tensor_parallel_size=2, kv_cache_bytes=2**27)
             print(*[p.pid for p in llm.engine.procs.values()], flush=True)
             print(llm.generate("Hi", SamplingParams(max_tokens=2), raw=True)[0].token_ids, flush=True)
     """))
@@ -250,7 +251,7 @@ def test_serve_tensor_parallel_and_sigterm_leave_no_rank():
     "`minfer serve --tensor-parallel-size 2` answers over HTTP; SIGTERM to the server leaves no rank behind."
     import httpx, psutil, re, threading
     cmd = [sys.executable, "-m", "minfer", "serve", "--host", "127.0.0.1", "--port", "0",
-           "--tensor-parallel-size", "2"]
+           "--tensor-parallel-size", "2", "--kv-cache-bytes", str(2**27)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     try:

@@ -95,7 +95,8 @@ def tok(model_dir):
 def tp(other_interface):
     "A tensor-parallel engine whose step timeout (4 s) is shorter than the idle pause below."
     from minfer.tp import TensorParallelEngine
-    engine = TensorParallelEngine(EngineConfig(tensor_parallel_size=2).resolve(), timeout=4.0)
+    engine = TensorParallelEngine(EngineConfig(tensor_parallel_size=2, kv_cache_bytes=2**27).resolve(),
+                                  timeout=4.0)
     yield engine
     engine.close()
 
@@ -103,7 +104,7 @@ def tp(other_interface):
 @pytest.fixture(scope="module")
 def pd(other_interface):
     "A prefill/decode engine (two workers, each with the whole model)."
-    engine = DisaggEngine(EngineConfig(pd_split=True).resolve(), timeout=20.0)
+    engine = DisaggEngine(EngineConfig(pd_split=True, kv_cache_bytes=2**27).resolve(), timeout=20.0)
     yield engine
     engine.close()
 
@@ -155,7 +156,8 @@ def test_a_rank_slower_to_load_than_the_step_timeout_still_starts(monkeypatch):
 
     rank1 = threading.Thread(target=slow_rank, daemon=True)
     rank1.start()
-    engine = TensorParallelEngine(EngineConfig(tensor_parallel_size=2).resolve(), timeout=2.0, start_timeout=60.0)
+    engine = TensorParallelEngine(EngineConfig(tensor_parallel_size=2, kv_cache_bytes=2**27).resolve(),
+                                  timeout=2.0, start_timeout=60.0)
     engine.close()
     rank1.join(30)
     assert got == ["config", "pool", "stop"]
@@ -237,13 +239,13 @@ def test_health_names_a_worker_that_died_while_idle(tp, pd, tok):
 STARTING = """
     from minfer import LLM
     if __name__ == "__main__":
-        LLM(tensor_parallel_size=2)
+        LLM(tensor_parallel_size=2, kv_cache_bytes=2**27)
 """
 IDLE = """
     import time
     from minfer import LLM, SamplingParams
     if __name__ == "__main__":
-        llm = LLM(tensor_parallel_size=2)
+        llm = LLM(tensor_parallel_size=2, kv_cache_bytes=2**27)
         llm.generate("Hi", SamplingParams(max_tokens=2))
         print("ready", flush=True)
         time.sleep(600)
@@ -253,7 +255,7 @@ FULL_PIPE = """
     from minfer import LLM
     from minfer.disagg import ROLES, post
     if __name__ == "__main__":
-        llm = LLM(pd_split=True)
+        llm = LLM(pd_split=True, kv_cache_bytes=2**27)
         engine = llm.engine
         for _ in range(3000):  # replies nobody reads: the workers' outbox pipe fills, their writes block
             for role in ROLES:
