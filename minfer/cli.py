@@ -118,7 +118,7 @@ def run_bench(a):
     bw = measure_bandwidth(device=llm.device)
     bpt = decode_bytes_per_token(llm.model_config, llm.dtype, m["num_prompt_tokens"] + a.max_tokens // 2)
     print(f"{llm!r}\ndecode {1/m['tpot']:.1f} tok/s (TPOT {m['tpot']*1e3:.1f} ms), TTFT {m['ttft']*1e3:.0f} ms; "
-          f"bandwidth floor {bw / bpt:.1f} tok/s ({bw/1e9:.1f} GB/s / {bpt/1e6:.0f} MB per token)")
+          f"bandwidth ceiling {bw / bpt:.1f} tok/s ({bw/1e9:.1f} GB/s / {bpt/1e6:.0f} MB per token)")
     parts = decode_breakdown(llm, a.prompt, a.max_tokens)
     print("where a step goes (ms/token): " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()))
 
@@ -132,6 +132,6 @@ def run_serve(a):
 
 COMMANDS.register("generate", Command("complete a prompt", _generate_args, run_generate))
 COMMANDS.register("chat", Command("chat with the model (interactive unless --message)", _chat_args, run_chat))
-COMMANDS.register("bench", Command("decode speed next to the bandwidth floor, and where a step's time goes",
+COMMANDS.register("bench", Command("decode speed next to the bandwidth ceiling, and where a step's time goes",
                                    _bench_args, run_bench))
 COMMANDS.register("serve", Command("OpenAI-compatible HTTP server (chapter 07b)", _serve_args, run_serve))

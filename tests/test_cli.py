@@ -32,7 +32,7 @@ def test_errors_are_one_line_exit_2(args, word):
 def test_bench_prints_speed_floor_and_where_the_step_goes():
     r = run("bench", "--max-tokens", "16")
     assert r.returncode == 0, r.stderr
-    assert "tok/s" in r.stdout and "bandwidth floor" in r.stdout
+    assert "tok/s" in r.stdout and "bandwidth ceiling" in r.stdout
     line = next(l for l in r.stdout.splitlines() if l.startswith("where a step goes"))
     parts = dict(p.rsplit(" ", 1) for p in line.split(": ", 1)[1].split(", "))
     assert set(parts) == {"layer matvecs", "LM head matvec", "RMSNorm", "RoPE + KV write + attention", "SiLU × up", "the rest"}
