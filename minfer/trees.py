@@ -41,7 +41,8 @@ def root_paths(parents):
 def tree_children(parents):
     "Each row's children, in order: row 0 is the root, row 1 + i node i."
     children = [[] for _ in range(len(parents) + 1)]
-    for i, p in enumerate(parents): children[p + 1].append(i)
+    for i, p in enumerate(parents):
+        children[p + 1].append(i)
     return children
 
 def tree_greedy(choose, drafts, parents):
@@ -51,7 +52,8 @@ def tree_greedy(choose, drafts, parents):
     while True:
         token = choose(row)
         child = next((c for c in children[row] if drafts[c] == token), None)
-        if child is None: return path, [drafts[c] for c in path] + [token]
+        if child is None:
+            return path, [drafts[c] for c in path] + [token]
         path.append(child)
         row = child + 1
 
@@ -83,7 +85,8 @@ def tree_sample(probs_at, drafts, parents, generators, keep=keep_draft, draw=dra
 
 def move_kv(cache, src, dst):
     "Copy K and V of flat slots `src` to slots `dst` in every layer (a kept tree node's rows to their place)."
-    if not src: return
+    if not src:
+        return
     s, d = (torch.tensor(x, dtype=torch.long, device=cache.k.device) for x in (src, dst))
     for pool in (cache.k, cache.v):
         flat = pool.view(pool.shape[0], -1, *pool.shape[3:])  # [layers, slots, kv heads, head dim]
@@ -139,7 +142,8 @@ class DraftTree:
     @staticmethod
     def head_rows(k, kind):
         "How many head rows a tree of k nodes will run (the head table's room)."
-        if kind == "static": return len(set(static_tree(k)[0]) - {-1})
+        if kind == "static":
+            return len(set(static_tree(k)[0]) - {-1})
         return (min(k, TREE_DEPTH) - 1) * min(TREE_TOP_K, k)
 
     def add(self, parent, rank):
@@ -150,27 +154,32 @@ class DraftTree:
     def path(self, node):
         "The nodes from depth 1 down to `node` ([] for the root)."
         out = []
-        while node >= 0: out, node = [node] + out, self.nodes[node][0]
+        while node >= 0:
+            out, node = [node] + out, self.nodes[node][0]
         return out
 
     def grow(self, depth):
         if self.shape is not None:  # the shape's nodes of this depth, in order: node i of the shape is node i here
             parents, ranks = self.shape
             new = [i for i, d in enumerate(self.depths) if d == depth]
-            for i in new: self.add(parents[i], ranks[i])
+            for i in new:
+                self.add(parents[i], ranks[i])
             self.to_run = [i for i in new if i in parents]
             return
         first = len(self.nodes)
         for p in self.to_run:
-            for r in range(self.top_k): self.add(p, r)
+            for r in range(self.top_k):
+                self.add(p, r)
         best = sorted(range(first, len(self.nodes)), key=lambda i: -self.nodes[i][2])
         self.to_run = best[:self.top_k] if depth < self.levels else []
 
     def finish(self, d2t):
         "The sequence's guesses: every node (static), or the k best (dynamic). -> a `TreeDraft`"
         parents, ids = [p for p, *_ in self.nodes], [d for _, d, *_ in self.nodes]
-        if self.shape is None: keep, parents = best_nodes(parents, [n[2] for n in self.nodes], self.k)
-        else: keep = range(len(ids))
+        if self.shape is None:
+            keep, parents = best_nodes(parents, [n[2] for n in self.nodes], self.k)
+        else:
+            keep = range(len(ids))
         return TreeDraft(d2t[torch.tensor([ids[i] for i in keep], dtype=torch.long)].tolist(), parents=parents)
 
 class TreeProposer(EagleProposer):
