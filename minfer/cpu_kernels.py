@@ -110,17 +110,19 @@ void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t inter) {
 
 // Decode attention over a paged KV pool, one new token per sequence. First write each sequence's new k, v at its slot,
 // then, per query head, attend over the sequence's keys where they lie (block_tables), in fp32 whatever the dtype.
-// q: [batch, n_q, d] with rows q_stride apart; k, v: [batch, n_kv, d], rows kv_stride apart (all three may be views
-// of the fused qkv projection's output); pools: [slots, n_kv, d]; out: [batch, n_q, d].
+// q: [batch, n_q, d] with rows q_stride apart; k, v: [batch, n_kv, d], rows k_stride and v_stride apart (each may be
+// a view: of the fused qkv projection's output, or of a buffer RoPE wrote q and k into); pools: [slots, n_kv, d];
+// out: [batch, n_q, d].
 template <typename T>
-void paged_decode(const T* q, int64_t q_stride, const T* k, const T* v, int64_t kv_stride, T* k_pool, T* v_pool, const int64_t* new_slots,
+void paged_decode(const T* q, int64_t q_stride, const T* k, int64_t k_stride, const T* v, int64_t v_stride,
+                  T* k_pool, T* v_pool, const int64_t* new_slots,
                   const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens, int64_t block_size,
                   T* out, int64_t batch, int64_t n_q, int64_t n_kv, int64_t d, float scale) {
   using N = Num<T>;
   const int64_t kv_row = n_kv * d, group = n_q / n_kv;
   for (int64_t b = 0; b < batch; ++b) {
-    std::memcpy(k_pool + new_slots[b] * kv_row, k + b * kv_stride, kv_row * sizeof(T));
-    std::memcpy(v_pool + new_slots[b] * kv_row, v + b * kv_stride, kv_row * sizeof(T));
+    std::memcpy(k_pool + new_slots[b] * kv_row, k + b * k_stride, kv_row * sizeof(T));
+    std::memcpy(v_pool + new_slots[b] * kv_row, v + b * v_stride, kv_row * sizeof(T));
   }
   // every row's key slots first, then one parallel loop over (row, head) pairs: a step of several rows shares the
   // threads out once per layer instead of once per row, and no thread waits on a short row
@@ -168,10 +170,11 @@ void paged_decode(const T* q, int64_t q_stride, const T* k, const T* v, int64_t 
   { rope<T>(qkv, cos, sin, rows, stride, heads, d); }
 #define SILU_MUL(T, S) extern "C" void silu_mul_##S(const T* gate_up, T* out, int64_t rows, int64_t inter) \
   { silu_mul<T>(gate_up, out, rows, inter); }
-#define PAGED_DECODE(T, S) extern "C" void paged_decode_##S(const T* q, int64_t q_stride, const T* k, const T* v, int64_t kv_stride, \
-    T* k_pool, T* v_pool, const int64_t* new_slots, const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens, \
+#define PAGED_DECODE(T, S) extern "C" void paged_decode_##S(const T* q, int64_t q_stride, const T* k, int64_t k_stride, \
+    const T* v, int64_t v_stride, T* k_pool, T* v_pool, const int64_t* new_slots, const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens, \
     int64_t block_size, T* out, int64_t batch, int64_t n_q, int64_t n_kv, int64_t d, float scale) \
-  { paged_decode<T>(q, q_stride, k, v, kv_stride, k_pool, v_pool, new_slots, block_tables, max_blocks, seq_lens, block_size, out, batch, n_q, n_kv, d, scale); }
+  { paged_decode<T>(q, q_stride, k, k_stride, v, v_stride, k_pool, v_pool, new_slots, block_tables, max_blocks, seq_lens, \
+                    block_size, out, batch, n_q, n_kv, d, scale); }
 BOTH_DTYPES(RMS_NORM)
 BOTH_DTYPES(ROPE)
 BOTH_DTYPES(SILU_MUL)
@@ -223,7 +226,7 @@ def build_cpu_kernels(source=None, out_dir=None, flags=CXX_FLAGS):
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {"rms_norm": [_P, _P, _P, _P, _I, _I, _F], "rope": [_P, _P, _P, _I, _I, _I, _I],
                "silu_mul": [_P, _P, _I, _I],
-               "paged_decode": [_P, _I, _P, _P, _I, _P, _P, _P, _P, _I, _P, _I, _P, _I, _I, _I, _I, _F]}
+               "paged_decode": [_P, _I, _P, _I, _P, _I, _P, _P, _P, _P, _I, _P, _I, _P, _I, _I, _I, _I, _F]}
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 def load_kernels(lib_path, signatures):
@@ -363,16 +366,19 @@ class CpuAttention(PagedAttention):
         if variant is not None:  # a layer that attends its own way (`AttentionVariant`): chapter 03's path
             return super().__call__(layer, q, k, v, variant)
         m, (k_pool, v_pool) = self.bound_meta(), (self.cache.k[layer], self.cache.v[layer])
-        rows_ok = q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and k.stride(0) == v.stride(0) and q.stride(1) == k.stride(1) == v.stride(1) == q.shape[-1]
+        # each head's d values side by side; rows may lie any distance apart (q and k from RoPE's buffer, v from qkv)
+        rows_ok = all(t.stride(-1) == 1 and t.stride(1) == q.shape[-1] for t in (q, k, v))
         decode = m.max_seqlen_q == 1 and q.shape[0] == len(m.seq_lens)
         # fp32 activations over a bf16 pool (00a's `wide_dtype`): the float kernel takes one dtype, the pool's
         if decode and q.dtype != k_pool.dtype and k_pool.is_floating_point():
             return self(layer, *(t.to(k_pool.dtype) for t in (q, k, v))).to(q.dtype)
-        if not decode or not rows_ok or q.dtype != k_pool.dtype: return super().__call__(layer, q, k, v)
+        if not decode or not rows_ok or q.dtype != k_pool.dtype:
+            return super().__call__(layer, q, k, v)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         tables, lens, block_size = decode_tables(m, k_pool.shape[1])
         _kernel("paged_decode", k_pool, v_pool, out)(
-            q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), k_pool.data_ptr(), v_pool.data_ptr(),
+            q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_pool.data_ptr(),
+            v_pool.data_ptr(),
             m.slot_mapping.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(), block_size,
             out.data_ptr(), q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[2] ** -0.5)
         return out

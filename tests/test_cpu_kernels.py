@@ -115,9 +115,11 @@ def test_fused_model_bf16_matches_unfused(model_dir, tokenizer, rows):
 def test_fuse_refuses_what_it_cannot_run(model_dir):
     with pytest.raises(ValueError, match="float32 or bfloat16"): fuse_cpu_ops(load_model(model_dir, "float16"))
 
-def decode_step(cfg, cls, dtype, lens, bs, seed, keys=None):
+def decode_step(cfg, cls, dtype, lens, bs, seed, keys=None, rope_buffer=False):
     """One decode step (each sequence's last token new) of sequences scattered over a shuffled pool: (output, pool k,
-    pool v). keys: per sequence None or the positions its row attends to (`build_batch_meta`'s)."""
+    pool v). keys: per sequence None or the positions its row attends to (`build_batch_meta`'s). rope_buffer: q and k
+    read from a buffer of their own (where the layers' RoPE writes them), v from the qkv output: rows of k and v lie
+    different distances apart."""
     g = torch.Generator().manual_seed(seed)
     nb = sum(-(-n // bs) for n in lens) + 3
     cache = PagedKVCache(cfg, nb, bs, dtype)
@@ -128,7 +130,8 @@ def decode_step(cfg, cls, dtype, lens, bs, seed, keys=None):
     nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
     qkv = torch.randn(len(lens), nq + 2 * nkv, cfg.head_dim, generator=g).to(dtype)
     attn = cls(cache).bind(build_batch_meta([(t, n - 1, 1) for t, n in zip(tables, lens)], bs, keys=keys))
-    out = attn(5, qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:])
+    qk = qkv[:, :nq + nkv].clone() if rope_buffer else qkv
+    out = attn(5, qk[:, :nq], qk[:, nq:nq + nkv], qkv[:, nq + nkv:])
     return out, cache.k, cache.v
 
 @pytest.mark.parametrize("lens,bs", [((1,), 16), ((300,), 16), ((1, 17, 40, 5), 4), (tuple(range(1, 60, 3)), 8)],
@@ -143,6 +146,26 @@ def test_cpu_attention_matches_paged_attention(cfg, lens, bs, dtype):
         exact, _, _ = decode_step(cfg, PagedAttention, torch.float32, lens, bs, seed=len(lens))
         tol = exact.abs().amax(-1, keepdim=True) * 2**-7 + 0.02  # + the inputs' own bf16 rounding, drawn in fp32 above
         assert ((got.float() - exact).abs() <= tol).all() and ((got.float() - want.float()).abs() <= tol).all()
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_attention_runs_k_and_v_of_different_row_strides(cfg, dtype, monkeypatch):
+    """q and k from RoPE's buffer, v from the qkv projection (what a step wider than the one-call step's rows hands
+    the layers' attention): the kernel runs them, without falling back to chapter 03's path, and writes and reads what
+    chapter 03's attention does."""
+    lens, bs = (1, 17, 40, 5, 23), 8
+    want, k_want, v_want = decode_step(cfg, PagedAttention, dtype, lens, bs, seed=3, rope_buffer=True)
+
+    def fell_back(*args, **kwargs):
+        raise AssertionError("CpuAttention fell back to chapter 03's path")
+
+    monkeypatch.setattr(PagedAttention, "__call__", fell_back)
+    got, k_got, v_got = decode_step(cfg, CpuAttention, dtype, lens, bs, seed=3, rope_buffer=True)
+    assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
+    monkeypatch.undo()
+    exact, _, _ = decode_step(cfg, PagedAttention, torch.float32, lens, bs, seed=3, rope_buffer=True)
+    tol = 2e-6 if dtype == torch.float32 else exact.abs().amax(-1, keepdim=True) * 2**-7 + 0.02  # as above
+    assert ((got.float() - exact).abs() <= tol).all(), (got.float() - exact).abs().max()
+
 
 def test_cpu_attention_reads_explicit_key_lists(cfg):
     """Rows with their own key lists (a token tree's nodes, chapter 10c: through one-slot blocks) beside rows that read
