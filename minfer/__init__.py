@@ -11,8 +11,8 @@ import importlib
 # constraints, subcommands, server routes, and the switches each chapter adds to the engine's config.
 CHAPTERS = ("model", "roofline", "naive", "kvcache", "sampling", "sequence", "sequential", "paged", "radix", "flash",
             "cpu_kernels", "cpu_step", "scheduler", "engine", "llm", "serve", "cli", "chat", "awq", "awq_kernels",
-            "formats", "kvquant", "kivi", "speculative", "eagle", "trees", "disagg", "families", "moe", "tp",
-            "cluster", "structured")
+            "formats", "format_kernels", "kvquant", "kivi", "speculative", "eagle", "trees", "disagg", "families",
+            "moe", "tp", "cluster", "structured")
 PUBLIC = {"LLM": "llm", "RequestOutput": "llm", "Completion": "llm", "SamplingParams": "sampling"}
 
 

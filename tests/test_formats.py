@@ -1,10 +1,8 @@
 """Chapter 08b's weight formats: bit layouts against the OCP Microscaling spec's tables and hand-built vectors, each
 checkpoint layout loaded from a tiny folder equal to an independent dequantise-then-dense model, quantize -> save ->
-load round trips (the `minfer quantize` command included), the C++ and Triton kernels against the dequantised
-reference, and unsupported variants refused in one line.
-MXFP4's and NVFP4's CPU kernel multiplies x rounded to 8 bits per 32 inputs: it is checked as
-chapter 08a's kernel is (tests/test_awq_q4x8.py's `check`), on each instruction set's path."""
-import ctypes, json, platform
+load round trips (the `minfer quantize` command included), and unsupported variants refused in one line.
+(Chapter 08c's kernels, and how they plug into `FORMAT_KERNELS`: tests/test_format_kernels.py.)"""
+import json
 
 import pytest
 import torch
@@ -15,14 +13,10 @@ from minfer.model import NoCache, load_model
 from minfer.cli import main as cli_main
 from minfer.llm import LLM
 from minfer.sampling import SamplingParams
-from minfer.cpu_kernels import build_cpu_kernels, load_kernels
-from minfer.cpu_step import STEP_CXX_FLAGS
-from minfer.formats import (FORMAT_CPU_SOURCE, FORMAT_MODULES, Fp8Linear, Mxfp4Linear,
-                            Nvfp4Linear, e2m1_decode, e2m1_encode, e4m3_decode, e8m0_decode,
-                            format_cpu_available, fuse_scaled, load_format_model, pack_fp4x8,
-                            pack_nibbles, quantize_format_folder, scaled_gemm, unpack_nibbles)
+from minfer.formats import (FORMAT_MODULES, Fp8Linear, Mxfp4Linear, Nvfp4Linear, e2m1_decode, e2m1_encode,
+                            e4m3_decode, e8m0_decode, load_format_model, pack_nibbles, quantize_format_folder,
+                            unpack_nibbles)
 from test_awq import tiny_folder, tiny_config, tiny_model  # noqa: F401 (a fixture and its helpers)
-from test_awq_q4x8 import check  # x rounded to 8 bits per 32 inputs: both of 08a's references
 
 # the OCP Microscaling Formats spec v1.0, section 5.3.3: the FP4 (E2M1) values of codes 0000 .. 1111
 OCP_E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
@@ -182,98 +176,6 @@ def test_round_trip_module_and_folder(written, tiny_folder):
     made = FORMAT_MODULES[name].from_weight(dense, **options)
     assert torch.equal(loaded.codes, made.codes) and torch.equal(loaded.row_scales, made.row_scales)
     assert torch.equal(loaded.dequantize(), made.dequantize())
-
-
-@pytest.mark.parametrize("name", ["fp8", "mxfp4", "nvfp4"])
-@pytest.mark.parametrize("rows", [1, 3, 9, 17])
-def test_cpu_kernel_matches_the_reference(name, rows):
-    """FP8: the weights decoded exactly, x in fp32. MXFP4, NVFP4: x rounded to 8 bits per 32
-    inputs, so `check`: the dequantised weight times that rounded x up to float rounding, and times
-    x itself within half a step per input. 88 output rows: the last block of 16 is half padding."""
-    if not format_cpu_available():
-        pytest.skip("no C++ compiler with OpenMP here")
-    torch.manual_seed(rows)
-    parts = [FORMAT_MODULES[name].from_weight(torch.randn(44, 96) * 0.05) for _ in range(2)]
-    module = fuse_scaled(parts)
-    x = torch.randn(rows, 96)
-    if name != "fp8":
-        x[0, :32] = 0  # an all-zero block: step 0, codes 0
-        check(module.cpu_matmul(x), module, x)
-        check(module.cpu_matmul(x.bfloat16()), module, x.bfloat16())
-        return
-    ref = module.reference(x)
-    assert torch.allclose(module.cpu_matmul(x), ref, atol=1e-5, rtol=1e-5)
-    got_bf16 = module.cpu_matmul(x.bfloat16()).float()  # x and y rounded to bf16; fp32 inside
-    assert torch.allclose(got_bf16, module.reference(x.bfloat16().float()), atol=2e-2, rtol=1e-2)
-
-
-X86 = platform.machine() in ("x86_64", "AMD64")
-
-
-@pytest.mark.skipif(not X86, reason="the AVX-512 / AVX2 paths are x86's")
-@pytest.mark.parametrize("name", ["mxfp4", "nvfp4"])
-def test_every_instruction_set_path_matches(name):
-    """The same source built three ways (-march=native: VNNI where the CPU has it; without AVX-512:
-    AVX2's shuffle and maddubs; without AVX2 either: the plain loop), each against both references
-    (the paths this CPU can run)."""
-    if not format_cpu_available():
-        pytest.skip("no C++ compiler with OpenMP here")
-    weight = torch.randn(200, 576, generator=torch.Generator().manual_seed(3)) * 0.05
-    module = FORMAT_MODULES[name].from_weight(weight)
-    w = module.step_bytes()
-    signature = {f"matmul_{name}": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3}
-    for extra in ((), ("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2")):
-        flags = (*STEP_CXX_FLAGS, *extra)
-        f = load_kernels(build_cpu_kernels(FORMAT_CPU_SOURCE, flags=flags), signature)
-        for rows in (1, 6, 11):
-            x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
-            y = torch.empty(rows, 200)
-            matmul = f[f"matmul_{name}", torch.float32]
-            matmul(w.data_ptr(), x.data_ptr(), y.data_ptr(), rows, 576, 200)
-            check(y, module, x)
-
-
-def test_pack_fp4x8_layout_by_hand():
-    """Chapter 08a's code order (byte 4j + t of 8 inputs: row j's code for input t in the low
-    nibble, 4 + t in the high one), then per block and group the 16 rows' scale codes, then the
-    fp32 row scales; rows padded to a multiple of 16."""
-    codes = (torch.arange(20)[:, None] + torch.arange(64)[None]) % 16  # row j, input k: j + k
-    scales = torch.arange(40, dtype=torch.uint8).reshape(20, 2)       # row j, group g: 2j + g
-    packed = pack_fp4x8(codes, scales, torch.arange(20.))
-    assert packed.numel() == 32 * 64 // 2 + 32 * 2 + 32 * 4             # two blocks of 16 rows
-    first = [((j + t) % 16) | (((j + 4 + t) % 16) << 4) for j in range(16) for t in range(4)]
-    assert packed[:64].tolist() == first                                # block 0, inputs 0..7
-    assert torch.all(packed[512 + 4 * 4:512 + 64] == 0)                 # block 1: rows 20.. = 0
-    scale_bytes = packed[1024:1088]
-    assert scale_bytes[:16].tolist() == [2 * j for j in range(16)]      # block 0, group 0
-    assert scale_bytes[16:32].tolist() == [2 * j + 1 for j in range(16)]  # block 0, group 1
-    assert scale_bytes[32:36].tolist() == [32, 34, 36, 38]              # block 1, group 0
-    assert scale_bytes[36:48].tolist() == [0] * 12
-    assert packed[1088:].view(torch.float32).tolist() == list(range(20)) + [0] * 12
-    with pytest.raises(ValueError, match="a multiple of 32"):
-        pack_fp4x8(codes[:, :48], scales[:, :1], torch.ones(20))
-
-
-def test_inputs_not_a_multiple_of_32_take_the_reference():
-    "NVFP4 groups 16 inputs, the CPU kernels read blocks of 32: 48 inputs take the definition."
-    module = Nvfp4Linear.from_weight(torch.randn(32, 48) * 0.05)
-    x = torch.randn(3, 48)
-    assert torch.equal(module(x), module.reference(x))
-    with pytest.raises(ValueError, match="not a multiple of 32") as e:
-        module.step_weights()
-    assert "\n" not in str(e.value)
-
-
-@pytest.mark.parametrize("name", ["fp8", "mxfp4", "nvfp4"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_triton_kernel_matches_the_reference(name, dtype):
-    "Under TRITON_INTERPRET=1 on a CPU (fp32 and fp16 only: the interpreter computes bf16 wrongly)."
-    torch.manual_seed(0)
-    module = FORMAT_MODULES[name].from_weight(torch.randn(40, 64) * 0.05)
-    x = torch.randn(5, 64)
-    ref = module.reference(x)
-    tol = 1e-5 if dtype == torch.float32 else 3e-3
-    assert torch.allclose(scaled_gemm(x.to(dtype), module).float(), ref, atol=tol, rtol=tol)
 
 
 def test_quantize_command_and_llm(tiny_folder, tmp_path, capsys):

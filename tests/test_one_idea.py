@@ -22,6 +22,7 @@ VOCABULARY = {
     # 08a is the first to compute in int8 (its activations); 09 then stores K and V in it, under its own words
     "08a_awq_kernels": ["q4x8", "awq_gemm", "awq_cpu", "int8"],
     "08b_formats": ["fp8", "mxfp4", "nvfp4", "e2m1", "e8m0", "e4m3", "microscal", "ScaledLinear"],
+    "08c_format_kernels": ["fp4x8", "scaled_gemm", "format_cpu", "format_step_bytes"],
     "09_kvquant": ["kv_dtype", "kvquant", "kv_quant"],
     # 09a's 4-bit KV; "int4" alone is chapter 08's word (4-bit weights)
     "09a_kivi": ["kivi", "residual_slot", "res_owner", "int4_tile", "attention_int4", "int4 kv"],
