@@ -8,10 +8,10 @@ Docs: https://minfer.github.io/minfer/awq.html.md"""
 __all__ = ['AWQ_BITS', 'MAX_Q', 'AWQ_ORDER', 'AWQ_REVERSE_ORDER', 'PROJECTIONS', 'AWQ_KERNELS', 'TOKENIZER_FILES', 'SUPPORTED',
            'AWQ_PATH', 'QUANTIZE_METHODS', 'quantize_groups', 'dequantize_groups', 'fake_quantize', 'text_path',
            'calibration_ids', 'capture_inputs', 'calibration_start', 'search_scale', 'search_clip', 'apply_clip',
-           'awq_transform', 'pack_awq_int4', 'unpack_awq_int4', 'pack_awq', 'dequantize_awq', 'AWQKernel', 'awq_kernel',
-           'AWQLinear', 'fuse_awq', 'quantization_config', 'checkpoint_projections', 'dense_checkpoint_tensors',
-           'quantize_model_tensors', 'quantize_folder', 'is_awq_folder', 'check_awq_config', 'load_projections',
-           'load_awq_model', 'awq_bytes_per_token', 'awq_step_reads', 'QuantizeMethod', 'run_quantize', 'perplexity']
+           'awq_transform', 'pack_awq_int4', 'unpack_awq_int4', 'pack_awq', 'dequantize_awq', 'AWQKernel',
+           'KernelRegistry', 'KernelLinear', 'AWQLinear', 'fuse_awq', 'quantization_config', 'checkpoint_projections',
+           'dense_checkpoint_tensors', 'quantize_model_tensors', 'quantize_folder', 'is_awq_folder', 'check_awq_config',
+           'load_projections', 'load_awq_model', 'awq_bytes_per_token', 'QuantizeMethod', 'run_quantize', 'perplexity']
 
 # %% ../nbs/08_awq.ipynb #9cda7a9a
 import json, math, shutil, sys
@@ -279,18 +279,60 @@ class AWQKernel:
         dtype_ok = self.dtypes is None or x.dtype in self.dtypes
         return device_ok and dtype_ok and self.takes(linear)
 
+class KernelRegistry(Registry):
+    """The kernels of one kind of quantized projection (`AWQKernel` entries), in registration order: `pick` the one
+    that multiplies x, `step_reader` the one chapter 05c's one-call decode step reads the codes through."""
+    def pick(self, linear, x):
+        "The kernel that multiplies x by `linear`'s weight: the last registered one that runs x (a reference runs any)."
+        return next(k for k in reversed(self.values()) if k.runs(linear, x))
+
+    def step_reader(self):
+        "The `step` of the last registered kernel that gives the one-call decode step a reader of the codes, or None."
+        readers = [k.step for k in self.values() if k.step is not None]
+        return readers[-1] if readers else None
+
+    def step_reads(self):
+        "Whether a registered kernel gives the one-call decode step a reader (a `WeightFormat.step_weights` hook)."
+        return self.step_reader() is not None
+
+class KernelLinear(nn.Module):
+    """A quantized projection y = x Wᵀ whose class names its `kernels` (a `KernelRegistry`): `forward` runs the one
+    `pick` chooses, `layout` keeps each kernel's repacking of the tensors (made once), `step_weights` is what the
+    one-call decode step reads. A subclass holds the tensors and the definition, `reference(x)`."""
+    kernels: KernelRegistry
+
+    def __init__(self):
+        super().__init__()
+        self._layouts = {}  # the tensors repacked into a kernel's own layout, by the layout's name (`layout`)
+
+    def forward(self, x):
+        return self.kernels.pick(self, x).matmul(self, x)
+
+    def layout(self, name, pack):
+        "The tensors in a kernel's own layout `name`: `pack(self)` on the first call, then kept (repacked once)."
+        if name not in self._layouts:
+            self._layouts[name] = pack(self)
+        return self._layouts[name]
+
+    def step_weights(self):
+        """What chapter 05c's one-call decode step reads for this projection, `(bytes, group size, (name, kernel
+        table))`: from the last registered kernel that gives the step a reader (`AWQKernel.step`)."""
+        reader = self.kernels.step_reader()
+        if reader is None:
+            raise ValueError(f"no registered {self.kernels.switch} gives the one-call decode step a reader of "
+                             f"{type(self).__name__}'s codes; use kernels='cpu'")
+        return reader(self)
+
 # kernel name -> `AWQKernel`: this chapter's reference (below), which runs any input; a later chapter registers faster
 # kernels under names of their own, each saying which inputs it takes (chapter 08a: a CPU kernel and a Triton one)
-AWQ_KERNELS = Registry("AWQ kernel", AWQKernel)
+AWQ_KERNELS = KernelRegistry("AWQ kernel", AWQKernel)
 
-def awq_kernel(linear, x):
-    "The kernel that multiplies x by `linear`'s weight: the last registered one that runs x (the reference runs any)."
-    return next(k for k in reversed(AWQ_KERNELS.values()) if k.runs(linear, x))
-
-class AWQLinear(nn.Module):
+class AWQLinear(KernelLinear):
     """y = x Wᵀ for a 4-bit weight in AutoAWQ's GEMM layout: qweight int32 [in, out/8], qzeros int32 [in/G, out/8],
-    scales fp16 [in/G, out]. `forward` runs the kernel `awq_kernel` picks; this chapter's is the definition,
+    scales fp16 [in/G, out]. `forward` runs the kernel `AWQ_KERNELS` picks; this chapter's is the definition,
     `reference`: dequantise, then matmul."""
+    kernels = AWQ_KERNELS
+
     def __init__(self, qweight, qzeros, scales, group_size):
         super().__init__()
         self.in_features, self.out_features = qweight.shape[0], qweight.shape[1] * 8
@@ -305,7 +347,6 @@ class AWQLinear(nn.Module):
         self.register_buffer("qweight", qweight.contiguous())
         self.register_buffer("qzeros", qzeros.contiguous())
         self.register_buffer("scales", scales.half().contiguous())
-        self._layouts = {}  # the tensors repacked into a kernel's own layout, by the layout's name (`layout`)
 
     @classmethod
     def from_weight(cls, weight, group_size=64):
@@ -319,24 +360,6 @@ class AWQLinear(nn.Module):
     def reference(self, x):
         "Dequantise, then matmul: the definition every kernel is checked against."
         return F.linear(x, self.dequantize(x.dtype))
-
-    def forward(self, x):
-        return awq_kernel(self, x).matmul(self, x)
-
-    def layout(self, name, pack):
-        "The tensors in a kernel's own layout `name`: `pack(self)` on the first call, then kept (repacked once)."
-        if name not in self._layouts:
-            self._layouts[name] = pack(self)
-        return self._layouts[name]
-
-    def step_weights(self):
-        """What chapter 05c's one-call decode step reads for this projection, `(bytes, group size, (name, kernel
-        table))`: from the last registered kernel that gives the step a reader (`AWQKernel.step`)."""
-        readers = [k.step for k in AWQ_KERNELS.values() if k.step is not None]
-        if not readers:
-            raise ValueError("no registered AWQ kernel gives the one-call decode step a reader of 4-bit codes; "
-                             "use kernels='cpu'")
-        return readers[-1](self)
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
@@ -521,10 +544,6 @@ DTYPE_BYTES.register("int4", AWQ_BITS / 8)
 # chapter whose behaviour it runs pairs it with this path
 AWQ_PATH = "weights='awq-int4'"
 
-def awq_step_reads():
-    "Whether a registered kernel gives chapter 05c's one-call decode step a reader of the codes (`AWQKernel.step`)."
-    return any(k.step is not None for k in AWQ_KERNELS.values())
-
 def _awq_bits(dtype, group_size=64):
     "Bits a decode step streams per projection weight: 4, plus an fp16 scale and a 4-bit zero per group (of 64)."
     return AWQ_BITS + (16 + AWQ_BITS) / group_size
@@ -533,7 +552,7 @@ register_weight_format(WeightFormat(
     # bf16 by default: one row reads bf16 weights (the LM head), several rows run in fp32 (`load_awq_model`);
     # step_weights: asked when a config is resolved (chapter 08a's CPU kernel gives the one-call step its reader)
     "awq-int4", load=load_awq_model, bits=_awq_bits, detect=is_awq_folder, plain_weights=False,
-    step_weights=awq_step_reads, stored=True, dtype="bfloat16", runs_all=False,
+    step_weights=AWQ_KERNELS.step_reads, stored=True, dtype="bfloat16", runs_all=False,
     about="AutoAWQ's GEMM format (4-bit codes, fp16 scales, 4-bit zeros per group), AWQLinear (chapter 08)"))
 
 def _vllm_quantization(value):

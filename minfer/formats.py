@@ -7,9 +7,9 @@ Docs: https://minfer.github.io/minfer/formats.html.md"""
 # %% auto #0
 __all__ = ['FP8_MAX', 'FP4_MAX', 'E2M1_VALUES', 'DECODERS', 'FORMAT_KERNELS', 'FORMAT_MODULES', 'FORMAT_NAMES',
            'SUPPORTED_FORMATS', 'FORMAT_ABOUT', 'e2m1_encode', 'e2m1_decode', 'e8m0_decode', 'e4m3_encode',
-           'e4m3_decode', 'pack_nibbles', 'unpack_nibbles', 'format_kernel', 'ScaledLinear', 'fuse_scaled', 'Fp8Linear',
-           'Mxfp4Linear', 'Nvfp4Linear', 'format_quantization_config', 'folder_quantization', 'declared_format',
-           'check_format_config', 'format_path', 'load_format_model', 'quantize_format_folder', 'format_step_reads']
+           'e4m3_decode', 'pack_nibbles', 'unpack_nibbles', 'ScaledLinear', 'fuse_scaled', 'Fp8Linear', 'Mxfp4Linear',
+           'Nvfp4Linear', 'format_quantization_config', 'folder_quantization', 'declared_format', 'check_format_config',
+           'format_path', 'load_format_model', 'quantize_format_folder']
 
 # %% ../nbs/08b_formats.ipynb #c80fc56d
 import json, shutil
@@ -20,11 +20,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from .model import (DTYPES, QUANT_METHODS, Registry, WeightFormat, check_behaviours, load_model,
+from .model import (DTYPES, QUANT_METHODS, WeightFormat, check_behaviours, load_model,
                           register_weight_format)
 from .roofline import DTYPE_BYTES, DTYPE_PEAKS
-from .awq import (QUANTIZE_METHODS, AWQKernel, QuantizeMethod, TOKENIZER_FILES, checkpoint_projections,
-                        dense_checkpoint_tensors, load_projections)
+from .awq import (QUANTIZE_METHODS, AWQKernel, KernelLinear, KernelRegistry, QuantizeMethod, TOKENIZER_FILES,
+                        checkpoint_projections, dense_checkpoint_tensors, load_projections)
 
 # %% ../nbs/08b_formats.ipynb #7b0aea75
 FP8_MAX = 448.0  # the largest finite E4M3 number (torch.float8_e4m3fn): 1.75 x 2^8
@@ -74,21 +74,18 @@ DECODERS = {"e4m3": e4m3_decode, "e2m1": e2m1_decode, "e8m0": e8m0_decode}
 
 # kernel name -> chapter 08's `AWQKernel`, here multiplying by a `ScaledLinear`'s codes: this chapter's reference
 # (below), which runs any input; chapter 08c registers faster kernels under names of their own
-FORMAT_KERNELS = Registry("format kernel", AWQKernel)
+FORMAT_KERNELS = KernelRegistry("format kernel", AWQKernel)
 
-def format_kernel(linear, x):
-    "The kernel that multiplies x by `linear`'s weight: the last registered one that runs x (the reference runs any)."
-    return next(k for k in reversed(FORMAT_KERNELS.values()) if k.runs(linear, x))
-
-class ScaledLinear(nn.Module):
+class ScaledLinear(KernelLinear):
     """y = x Wᵀ for a weight stored as float codes and scales (this chapter's formats):
     W[o, i] = value(codes[o, i]) x scale(group_scales[o, i // group]) x row_scales[o].
     codes: uint8 [out, in] (8-bit values) or [out, in/2] (two 4-bit values a byte, `pack_nibbles`); group_scales:
     uint8 [out, in/group], codes of the scale format (None: no groups); row_scales: fp32 [out], what is left of a
     per-tensor or per-row scale. A subclass names the formats: `value_format`, `scale_format`, `group`, and reads and
     writes its checkpoint layout (`from_checkpoint`, `checkpoint_tensors`).
-    `forward` runs the kernel `format_kernel` picks from `FORMAT_KERNELS`; this chapter's is the
-    definition, `reference`: dequantise, then matmul."""
+    `forward` runs the kernel `FORMAT_KERNELS` picks; this chapter's is the definition, `reference`: dequantise,
+    then matmul."""
+    kernels = FORMAT_KERNELS
     name = ""
     value_format, scale_format, group = "e4m3", None, 0
     value_bits = 8
@@ -108,7 +105,6 @@ class ScaledLinear(nn.Module):
         self.register_buffer("codes", codes.contiguous())
         self.register_buffer("group_scales", None if group_scales is None else group_scales.contiguous())
         self.register_buffer("row_scales", row_scales.float().contiguous())
-        self._layouts = {}  # the tensors repacked into a kernel's own layout, by the layout's name (`layout`)
 
     @classmethod
     def from_weight(cls, weight, **options):
@@ -132,24 +128,6 @@ class ScaledLinear(nn.Module):
     def reference(self, x):
         "Dequantise, then matmul: the definition every kernel is checked against."
         return F.linear(x, self.dequantize(x.dtype))
-
-    def forward(self, x):
-        return format_kernel(self, x).matmul(self, x)
-
-    def layout(self, name, pack):
-        "The tensors in a kernel's own layout `name`: `pack(self)` on the first call, then kept (repacked once)."
-        if name not in self._layouts:
-            self._layouts[name] = pack(self)
-        return self._layouts[name]
-
-    def step_weights(self):
-        """What chapter 05c's one-call decode step reads for this projection, `(bytes, group, (name, kernel
-        table))`: from the last registered kernel that gives the step a reader (`AWQKernel.step`)."""
-        readers = [k.step for k in FORMAT_KERNELS.values() if k.step is not None]
-        if not readers:
-            raise ValueError(f"no registered kernel gives the one-call decode step a reader of {self.name} codes; "
-                             "use kernels='cpu'")
-        return readers[-1](self)
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.weight_bits():.3f} bits"
@@ -368,10 +346,6 @@ def _format_refuses(name):
         return None
     return refuses
 
-def format_step_reads():
-    "Whether a registered kernel gives chapter 05c's one-call decode step a reader of the codes (`AWQKernel.step`)."
-    return any(k.step is not None for k in FORMAT_KERNELS.values())
-
 def _format_loader(name):
     return lambda folder, dtype, device: load_format_model(folder, name, dtype, device)
 
@@ -389,7 +363,8 @@ for format_name in FORMAT_NAMES:
     register_weight_format(WeightFormat(
         format_name, load=_format_loader(format_name), bits=_format_bits(format_name),
         refuses=_format_refuses(format_name), detect=_format_detector(format_name), plain_weights=False,
-        step_weights=format_step_reads, stored=True, dtype="bfloat16", runs_all=False, about=FORMAT_ABOUT[format_name]))
+        step_weights=FORMAT_KERNELS.step_reads, stored=True, dtype="bfloat16", runs_all=False,
+        about=FORMAT_ABOUT[format_name]))
 
 # chapter 00b's calculator: bytes per weight, scales included (fp8's per-row scale is under 0.1% at 4096 inputs),
 # and the dense peaks of the devices whose tensor cores multiply these formats

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 CUDA = torch.cuda.is_available()
 if not CUDA: os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from minfer.awq import AWQ_KERNELS, AWQKernel, AWQLinear, awq_kernel, awq_step_reads, quantize_folder
+from minfer.awq import AWQ_KERNELS, AWQKernel, AWQLinear, quantize_folder
 from minfer.awq_kernels import awq_cpu_available, awq_gemm
 from minfer.engine import resolve_config, EngineConfig
 from test_awq import random_weight, tiny_folder, tiny_config, tiny_model  # noqa: F401 (a fixture and its helpers)
@@ -48,7 +48,7 @@ def test_triton_kernel_matches_reference(case, dtype):
 def test_triton_kernel_compiled(M, K, N, G, dtype):
     layer = AWQLinear.from_weight(torch.randn(N, K) * 0.02, G).cuda()
     x = torch.randn(M, K, device="cuda", dtype=dtype)
-    assert awq_kernel(layer, x) is AWQ_KERNELS["triton"]  # on CUDA, forward is the Triton kernel
+    assert AWQ_KERNELS.pick(layer, x) is AWQ_KERNELS["triton"]  # on CUDA, forward is the Triton kernel
     got = layer(x)
     want = F.linear(x.float(), layer.dequantize())
     err = (got.float() - want).abs().max().item()
@@ -66,9 +66,9 @@ def test_each_kernel_runs_the_inputs_it_takes():
     cpu = "cpu-q4x8" if awq_cpu_available() else "reference"
     for x_in, lin, name in ((x, layer, cpu), (x.bfloat16(), layer, cpu), (x.half(), layer, "reference"),
                             (x, narrow, "reference"), (x.to("meta"), layer, "reference")):
-        assert awq_kernel(lin, x_in) is AWQ_KERNELS[name], (x_in.dtype, x_in.device, lin.group_size)
+        assert AWQ_KERNELS.pick(lin, x_in) is AWQ_KERNELS[name], (x_in.dtype, x_in.device, lin.group_size)
     assert torch.equal(narrow(x), narrow.reference(x))  # what no kernel takes, the definition runs
-    assert awq_step_reads() == awq_cpu_available() and (cpu == "reference" or layer.step_weights()[1] == 64)
+    assert AWQ_KERNELS.step_reads() == awq_cpu_available() and (cpu == "reference" or layer.step_weights()[1] == 64)
 
 
 def test_a_kernel_never_replaces_another():
@@ -95,7 +95,8 @@ except ValueError as e:
 config = resolve_config(EngineConfig(model=sys.argv[1]))
 print(json.dumps(dict(kernels=list(awq.AWQ_KERNELS), same=all(torch.equal(layer(t), layer.reference(t))
                                                                for t in (x, x.bfloat16())),
-                      step_reads=awq.awq_step_reads(), step_error=step_error, config=[config.weights, config.kernels],
+                      step_reads=awq.AWQ_KERNELS.step_reads(), step_error=step_error,
+                      config=[config.weights, config.kernels],
                       later="minfer.awq_kernels" in sys.modules)))
 """
 

@@ -19,7 +19,7 @@ from minfer.cpu_kernels import build_cpu_kernels, load_kernels
 from minfer.cpu_step import STEP_CXX_FLAGS
 from minfer.awq import AWQKernel
 from minfer.engine import EngineConfig, resolve_config
-from minfer.formats import (FORMAT_KERNELS, FORMAT_MODULES, Nvfp4Linear, format_kernel, format_step_reads,
+from minfer.formats import (FORMAT_KERNELS, FORMAT_MODULES, Nvfp4Linear,
                             fuse_scaled, quantize_format_folder)
 from minfer.format_kernels import (FORMAT_CPU_SOURCE, format_cpu_available, format_cpu_matmul, format_step_bytes,
                                    pack_fp4x8, scaled_gemm)
@@ -131,8 +131,8 @@ def test_each_kernel_runs_the_inputs_it_takes():
     cpu = "cpu" if format_cpu_available() else "reference"
     for x_in, lin, name in ((x, layer, cpu), (x.bfloat16(), layer, cpu), (x.half(), layer, "reference"),
                             (x48, narrow, "reference"), (x.to("meta"), layer, "reference")):
-        assert format_kernel(lin, x_in) is FORMAT_KERNELS[name], (x_in.dtype, x_in.device, lin.in_features)
-    assert format_step_reads() and (cpu == "reference" or layer.step_weights()[1] == 16)
+        assert FORMAT_KERNELS.pick(lin, x_in) is FORMAT_KERNELS[name], (x_in.dtype, x_in.device, lin.in_features)
+    assert FORMAT_KERNELS.step_reads() and (cpu == "reference" or layer.step_weights()[1] == 16)
 
 
 def test_a_kernel_never_replaces_another():
@@ -159,13 +159,14 @@ except ValueError as e:
 config = resolve_config(EngineConfig(model=sys.argv[1]))
 alone = dict(kernels=list(formats.FORMAT_KERNELS), same=all(torch.equal(layer(t), layer.reference(t))
                                                             for t in (x, x.bfloat16())),
-             step_reads=formats.format_step_reads(), step_error=step_error,
+             step_reads=formats.FORMAT_KERNELS.step_reads(), step_error=step_error,
              config=[config.weights, config.kernels],
              later="minfer.format_kernels" in sys.modules)
 import minfer.format_kernels as kernels
-picked = [name for name, k in formats.FORMAT_KERNELS.items() if k is formats.format_kernel(layer, x)]
+picked = [name for name, k in formats.FORMAT_KERNELS.items() if k is formats.FORMAT_KERNELS.pick(layer, x)]
 with_kernels = dict(kernels=list(formats.FORMAT_KERNELS), picked=picked, available=kernels.format_cpu_available(),
-                    error=(layer(x) - layer.reference(x)).abs().max().item(), step_reads=formats.format_step_reads(),
+                    error=(layer(x) - layer.reference(x)).abs().max().item(),
+                    step_reads=formats.FORMAT_KERNELS.step_reads(),
                     same_as_cpu_kernel=kernels.format_cpu_available()
                     and torch.equal(layer(x), kernels.format_cpu_matmul(layer, x)))
 print(json.dumps(dict(alone=alone, with_kernels=with_kernels)))
