@@ -181,7 +181,7 @@ def test_bad_request_is_one_line_and_engine_stays_usable(split, tok):
 def test_llm_pd_split_matches_and_a_dead_worker_ends_requests_with_an_error(tok, colocated):
     from minfer import LLM
     from minfer.llm import RequestError
-    llm = LLM(pd_split=True, max_num_batched_tokens=64)
+    llm = LLM(pd_split=True, max_num_batched_tokens=64, kv_cache_bytes=2**27)
     pids = [p.pid for p in llm.engine.procs.values()]
     try:
         prompts = ["The three primary colors are", "def fibonacci(n):"]
@@ -235,7 +235,7 @@ def test_no_worker_outlives_the_program(tmp_path):
     script.write_text(textwrap.dedent("""
         from minfer import LLM, SamplingParams
         if __name__ == "__main__":
-            llm = LLM(pd_split=True)
+            llm = LLM(pd_split=True, kv_cache_bytes=2**27)
             print(*[p.pid for p in llm.engine.procs.values()], flush=True)
             print(llm.generate("Hi", SamplingParams(max_tokens=2), raw=True)[0].token_ids, flush=True)
     """))
@@ -250,7 +250,8 @@ def test_no_worker_outlives_the_program(tmp_path):
 def test_serve_pd_split(tok, colocated):
     "`minfer serve --pd-split`: the API answers with the co-located engine's greedy text; SIGTERM leaves no worker."
     import httpx, psutil, re, threading
-    cmd = [sys.executable, "-m", "minfer", "serve", "--host", "127.0.0.1", "--port", "0", "--pd-split"]
+    cmd = [sys.executable, "-m", "minfer", "serve", "--host", "127.0.0.1", "--port", "0", "--pd-split",
+           "--kv-cache-bytes", str(2**27)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     try:
