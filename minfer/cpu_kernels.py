@@ -170,11 +170,12 @@ void paged_decode(const T* q, int64_t q_stride, const T* k, int64_t k_stride, co
   { rope<T>(qkv, cos, sin, rows, stride, heads, d); }
 #define SILU_MUL(T, S) extern "C" void silu_mul_##S(const T* gate_up, T* out, int64_t rows, int64_t inter) \
   { silu_mul<T>(gate_up, out, rows, inter); }
-#define PAGED_DECODE(T, S) extern "C" void paged_decode_##S(const T* q, int64_t q_stride, const T* k, int64_t k_stride, \
-    const T* v, int64_t v_stride, T* k_pool, T* v_pool, const int64_t* new_slots, const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens, \
+#define PAGED_DECODE(T, S) extern "C" void paged_decode_##S(const T* q, int64_t q_stride, \
+    const T* k, int64_t k_stride, const T* v, int64_t v_stride, T* k_pool, T* v_pool, const int64_t* new_slots, \
+    const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens, \
     int64_t block_size, T* out, int64_t batch, int64_t n_q, int64_t n_kv, int64_t d, float scale) \
-  { paged_decode<T>(q, q_stride, k, k_stride, v, v_stride, k_pool, v_pool, new_slots, block_tables, max_blocks, seq_lens, \
-                    block_size, out, batch, n_q, n_kv, d, scale); }
+  { paged_decode<T>(q, q_stride, k, k_stride, v, v_stride, k_pool, v_pool, new_slots, block_tables, max_blocks, \
+                    seq_lens, block_size, out, batch, n_q, n_kv, d, scale); }
 BOTH_DTYPES(RMS_NORM)
 BOTH_DTYPES(ROPE)
 BOTH_DTYPES(SILU_MUL)

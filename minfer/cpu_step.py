@@ -204,7 +204,8 @@ void decode_step(T* x, const T* cos, const T* sin, const void* const* weights, T
       }
     rope<T>(qkv.data(), cos, sin, rows, qkv_n, n_q + n_kv, d);
     paged_decode<T>(qkv.data(), qkv_n, qkv.data() + n_q * d, qkv_n, qkv.data() + (n_q + n_kv) * d, qkv_n,
-                    k_cache + l * layer_stride, v_cache + l * layer_stride, new_slots, block_tables, max_blocks, seq_lens, block_size, attn.data(), rows, n_q, n_kv, d, 1.0f / std::sqrt((float)d));
+                    k_cache + l * layer_stride, v_cache + l * layer_stride, new_slots, block_tables, max_blocks,
+                    seq_lens, block_size, attn.data(), rows, n_q, n_kv, d, 1.0f / std::sqrt((float)d));
     tick(3);
     Weights::matvec(weights[p + 2], attn.data(), out.data(), rows, n_q * d, hidden, group);
     tick(0);

@@ -1,4 +1,4 @@
-"""Multiplying by FP8, MXFP4 and NVFP4 codes where they are read: in registers and small integers on a CPU, a Triton kernel on a GPU.
+"""FP8, MXFP4 and NVFP4 codes multiplied where they are read: small integers on a CPU, Triton on a GPU.
 
 Docs: https://minfer.github.io/minfer/format_kernels.html.md"""
 

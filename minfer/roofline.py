@@ -1,4 +1,4 @@
-"""How many bytes one generated token has to move, how fast this machine moves bytes and does arithmetic, and the ceiling that sets on decoding's tokens per second.
+"""Bytes per generated token, this machine's bandwidth and arithmetic, and the ceiling they set on decoding.
 
 Docs: https://minfer.github.io/minfer/roofline.html.md"""
 
