@@ -26,6 +26,7 @@ TOOLS = ROOT / "tools"
 NBS, LIB, DOCS = ROOT / "nbs", ROOT / "minfer", ROOT / "docs"
 BUILD = ROOT / "_build" / "site"
 SRC, HTML = BUILD / "src", BUILD / "html"
+GLOSSARY = NBS / "glossary.md"  # the course's terms, one sense each: a page of the site's Reference part
 STAMP = DOCS / ".build-inputs"
 TIMES = TOOLS / "chapter_times.json"
 ASSETS = {".png", ".jpg", ".jpeg", ".gif", ".svg", ".webp"}
@@ -46,7 +47,7 @@ def notebooks(): return workshop.notebooks(NBS)
 def input_files():
     files = [*notebooks(), *(p for p in NBS.rglob("*") if p.suffix.lower() in ASSETS), *sorted(LIB.glob("*.py")),
              *(p for p in (TOOLS / "sphinx").rglob("*") if p.is_file() and "__pycache__" not in p.parts),
-             TOOLS / "build_docs.py", TOOLS / "workshop.py", TOOLS / "readme.py", TIMES]
+             TOOLS / "build_docs.py", TOOLS / "workshop.py", TOOLS / "readme.py", TIMES, GLOSSARY]
     return sorted({p for p in files if p.exists()})
 
 
@@ -228,7 +229,7 @@ def process_notebook(path, symbols, titles):
     if stem == "index":
         chapters = "\n".join(p.stem for p in notebooks() if p.stem != "index")
         nb.cells.append(_md(f"```{{toctree}}\n:hidden:\n:caption: Chapters\n:maxdepth: 2\n\n{chapters}\n```\n\n"
-                            "```{toctree}\n:hidden:\n:caption: Reference\n\ninstructor_guide\napi/index\n```"))
+                            "```{toctree}\n:hidden:\n:caption: Reference\n\nglossary\ninstructor_guide\napi/index\n```"))
     for k in ("path_", "has_docs_"): nb.pop(k, None)
     for i, c in enumerate(nb.cells):
         for k in [k for k in c if k.endswith("_") and k != "source"]: c.pop(k)
@@ -500,6 +501,7 @@ def build(jobs="auto"):
     shutil.copy2(TOOLS / "sphinx" / "conf.py", SRC / "conf.py")
     shutil.copy2(TOOLS / "sphinx" / "mathml.py", SRC / "_ext" / "mathml.py")
     shutil.copytree(TOOLS / "sphinx" / "_static", SRC / "_static")
+    shutil.copy2(GLOSSARY, SRC / "glossary.md")
     for p in NBS.rglob("*"):  # images the notebooks' markdown refers to
         if p.suffix.lower() in ASSETS and ".ipynb_checkpoints" not in p.parts:
             (SRC / p.relative_to(NBS)).parent.mkdir(parents=True, exist_ok=True)
