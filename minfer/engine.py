@@ -122,8 +122,8 @@ class ModelRunner:
         return sampled, kept
 
     def _sample_rows(self, s, n, rows):
-        """-> [(sequence, token, logprobs)] for `s` (and the forks its prompt starts) from its `n` scheduled tokens'
-        rows."""
+        """-> [(sequence, token, logprobs)] for `s` (and the forks its prompt starts)
+        from its `n` scheduled tokens' rows."""
         if _wants_prompt_rows(s):
             add_prompt_logprobs(s, s.num_computed, rows)
         if s.num_computed + n < len(s):  # a prompt chunk with more to come

@@ -89,8 +89,8 @@ def _launch_opts(x): return dict(num_warps=4, num_stages=2) if x.is_cuda else {}
 
 def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q, scale=None,
                       block_m=None, block_n=None):
-    """Causal GQA attention of packed new tokens q [T, Hq, D] over paged K/V; sequence i's rows are its last q_len
-    positions."""
+    """Causal GQA attention of packed new tokens q [T, Hq, D] over paged K/V;
+    sequence i's rows are its last q_len positions."""
     _check_paged(q, k_cache, v_cache, block_tables, seq_lens)
     (T, Hq, D), (_, block_size, Hkv, _) = q.shape, k_cache.shape
     group = Hq // Hkv
@@ -111,8 +111,8 @@ def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
 # %% ../nbs/05a_flash.ipynb #a37a3b63
 @dataclass
 class PagedBatch:
-    """A test batch: packed queries, a paged K/V cache, block tables, and each sequence's contiguous K/V for the
-    reference."""
+    """A test batch: packed queries, a paged K/V cache, block tables,
+    and each sequence's contiguous K/V for the reference."""
     q: torch.Tensor
     k_cache: torch.Tensor
     v_cache: torch.Tensor
@@ -131,8 +131,8 @@ class PagedBatch:
 
 def random_paged_batch(seq_lens, q_lens=None, n_q_heads=6, n_kv_heads=2, head_dim=64, block_size=16,
                        dtype=torch.float32, device="cpu", seed=0):
-    """Random K/V for sequences of `seq_lens` tokens scattered over shuffled blocks; the last `q_lens` of each are
-    queries."""
+    """Random K/V for sequences of `seq_lens` tokens scattered over shuffled blocks;
+    the last `q_lens` of each are queries."""
     q_lens = list(seq_lens) if q_lens is None else list(q_lens)
     g = torch.Generator(device="cpu").manual_seed(seed)
     n_blocks = [triton.cdiv(s, block_size) for s in seq_lens]

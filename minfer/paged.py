@@ -304,8 +304,8 @@ class PagedAttention:
         return prefill, decode
 
     def attention(self, q, k_cache, v_cache, meta):
-        """Gather K/V into contiguous tensors (or view them), then SDPA: one call per prefill chunk, one per group of
-        decode rows."""
+        """Gather K/V into contiguous tensors (or view them), then SDPA:
+        one call per prefill chunk, one per group of decode rows."""
         if self.plan is None: self.plan = self.make_plan(meta, k_cache.shape[1])
         prefill, decode = self.plan
         h, d = k_cache.shape[2:]

@@ -76,8 +76,8 @@ class RadixCache:
         return blocks, n * self.block_size, node
 
     def insert(self, tokens, blocks):
-        """Cache the whole blocks of `tokens` (KV in `blocks`) -> (tokens that were cached already, node of the full
-        path)."""
+        """Cache the whole blocks of `tokens` (KV in `blocks`)
+        -> (tokens that were cached already, node of the full path)."""
         n = min(len(tokens) // self.block_size, len(blocks))
         node, _, i = self._walk(tokens[:n * self.block_size])
         if i < n:
@@ -108,8 +108,8 @@ class RadixCache:
             node = node.parent
 
     def evict(self, n):
-        """Free least-recently-used unlocked leaves (a parent becomes a leaf when its last child goes) until n blocks
-        are free'd."""
+        """Free least-recently-used unlocked leaves (a parent becomes a leaf when its last child goes)
+        until n blocks are free'd."""
         heap = [(x.last_access, id(x), x) for x in self.nodes() if not x.children and x.lock_ref == 0]
         heapq.heapify(heap)
         freed = 0

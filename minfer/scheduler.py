@@ -58,8 +58,8 @@ class Scheduler:
         self.lookahead = Lookahead()
 
     def add(self, seq, forks=()):
-        """Queue a sequence; `forks` are further samples of the same prompt, started by copy-on-write once its prompt
-        is done."""
+        """Queue a sequence; `forks` are further samples of the same prompt,
+        started by copy-on-write once its prompt is done."""
         seq.forks = list(forks)
         self.waiting.append(seq)
 
@@ -101,8 +101,8 @@ class Scheduler:
         for f in seq.forks: f.abort()
 
     def abort(self, seq_id):
-        """Abort a sequence wherever it is (aborting a sequence also aborts its not-yet-started forks); blocks return
-        at once."""
+        """Abort a sequence wherever it is (aborting a sequence also aborts its not-yet-started forks);
+        blocks return at once."""
         for s in list(self.waiting) + list(self.running):
             for f in s.forks:
                 if f.id == seq_id: f.abort()
