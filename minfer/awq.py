@@ -1,4 +1,4 @@
-"""Four bits per weight with a scale and a zero point per group of 64: about a quarter of bf16's bytes per projection weight (0.42× per decode step: the LM head stays dense), and AWQ's per-channel scales to keep the quality.
+"""Four bits a weight, a scale and zero point per group of 64 (0.42× bf16's bytes a step); AWQ's scales keep quality.
 
 Docs: https://minfer.github.io/minfer/awq.html.md"""
 

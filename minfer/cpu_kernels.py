@@ -1,4 +1,4 @@
-"""Between the matvecs: one C++ pass per step where PyTorch runs a dozen small ops, so a CPU decode step spends its time moving weights.
+"""One C++ pass between the matvecs where PyTorch runs a dozen small ops, so CPU decode time goes to moving weights.
 
 Docs: https://minfer.github.io/minfer/cpu_kernels.html.md"""
 
@@ -21,7 +21,8 @@ from .paged import PagedAttention, ATTENTION_BACKENDS
 CPU_KERNELS_SOURCE = r"""
 // minfer's CPU kernels: the small per-token steps of a decoder layer, each fused into one pass over its data.
 // Every kernel exists for float (fp32) and bf16 (stored as uint16_t). Arithmetic is fp32; in bf16 a result is
-// rounded wherever PyTorch's own bf16 ops round theirs, so the fused model computes the same numbers as the unfused one.
+// rounded wherever PyTorch's own bf16 ops round theirs, so the fused model computes the same numbers as the
+// unfused one.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -50,7 +51,8 @@ static inline float exp_fast(float x) {
   return (p * r * r + r + 1.0f) * __builtin_bit_cast(float, ((int32_t)n + 127) << 23);
 }
 
-// load: element -> fp32; store: fp32 -> element; round: what writing an intermediate result to a tensor of that dtype does
+// load: element -> fp32; store: fp32 -> element; round: what writing an intermediate result to a tensor of that
+// dtype does
 template <typename T> struct Num;
 template <> struct Num<float> {
   static float load(float x) { return x; }
@@ -90,7 +92,8 @@ void rope(T* qkv, const T* cos, const T* sin, int64_t rows, int64_t row_stride, 
       T* p = qkv + r * row_stride + h * d;
       for (int64_t i = 0; i < d; ++i) x[i] = N::load(p[i]);
       for (int64_t i = 0; i < d; ++i)
-        p[i] = N::store(N::round(x[i] * N::load(cos[r * d + i])) + N::round(x[(i + d / 2) % d] * N::load(sin[r * d + i])));
+        p[i] = N::store(N::round(x[i] * N::load(cos[r * d + i]))
+                        + N::round(x[(i + d / 2) % d] * N::load(sin[r * d + i])));
     }
 }
 
@@ -164,9 +167,11 @@ void paged_decode(const T* q, int64_t q_stride, const T* k, int64_t k_stride, co
 
 // The C interface ctypes calls: one entry point per kernel and dtype (suffix _f32 or _bf16).
 #define BOTH_DTYPES(DEFINE) DEFINE(float, f32) DEFINE(bf16, bf16)
-#define RMS_NORM(T, S) extern "C" void rms_norm_##S(T* x, const T* res, const T* w, T* out, int64_t rows, int64_t n, float eps) \
+#define RMS_NORM(T, S) extern "C" void rms_norm_##S(T* x, const T* res, const T* w, T* out, int64_t rows, \
+    int64_t n, float eps) \
   { rms_norm<T>(x, res, w, out, rows, n, eps); }
-#define ROPE(T, S) extern "C" void rope_##S(T* qkv, const T* cos, const T* sin, int64_t rows, int64_t stride, int64_t heads, int64_t d) \
+#define ROPE(T, S) extern "C" void rope_##S(T* qkv, const T* cos, const T* sin, int64_t rows, int64_t stride, \
+    int64_t heads, int64_t d) \
   { rope<T>(qkv, cos, sin, rows, stride, heads, d); }
 #define SILU_MUL(T, S) extern "C" void silu_mul_##S(const T* gate_up, T* out, int64_t rows, int64_t inter) \
   { silu_mul<T>(gate_up, out, rows, inter); }
@@ -197,14 +202,17 @@ def _cpu_features():
     return f"{platform.machine()} {flags}"
 
 def build_cpu_kernels(source=None, out_dir=None, flags=CXX_FLAGS):
-    """Compile `source` (default: `CPU_KERNELS_SOURCE`) with `flags` into a shared library, once: the file is named by a hash of the
-    source, compiler, flags and CPU, so a later call (or process) finds it. With `MINFER_NO_AVX512=1` in the environment
-    it adds `-mno-avx512f` (the build an AVX2-only CPU gets). Returns its path."""
+    """Compile `source` (default: `CPU_KERNELS_SOURCE`) with `flags` into a shared library, once: the file is named
+    by a hash of the source, compiler, flags and CPU, so a later call (or process) finds it. With
+    `MINFER_NO_AVX512=1` in the environment it adds `-mno-avx512f` (the build an AVX2-only CPU gets).
+    Returns its path."""
     source = CPU_KERNELS_SOURCE if source is None else source
     # MINFER_NO_AVX512=1 builds what a CPU without AVX-512 runs, so that a machine with it can test those paths too
     if os.environ.get("MINFER_NO_AVX512") == "1": flags = (*flags, "-mno-avx512f")
     cxx = cxx_compiler()
-    if cxx is None: raise RuntimeError(f"no C++ compiler found (looked for {os.environ.get('CXX', 'c++')!r} on PATH); install g++ or clang++, or use kernels='torch'")
+    if cxx is None:
+        raise RuntimeError(f"no C++ compiler found (looked for {os.environ.get('CXX', 'c++')!r} on PATH); "
+                           "install g++ or clang++, or use kernels='torch'")
     key = hashlib.sha256("\n".join([source, cxx, *flags, _cpu_features()]).encode()).hexdigest()[:16]
     out_dir = Path(out_dir) if out_dir is not None else data_dir() / "build"
     lib = out_dir / f"minfer_cpu_kernels_{key}.so"
@@ -256,32 +264,38 @@ def _kernel(name, x, *others, table=None):
     of x's dtype (about half a microsecond per tensor; a wrong layout would otherwise read the wrong memory)."""
     for t in (x, *others):
         if not (t.is_cpu and t.dtype is x.dtype and t.is_contiguous()):
-            raise ValueError(f"{name}: CPU kernels need contiguous CPU tensors of one dtype; got {t.dtype} {tuple(t.shape)} on {t.device} (contiguous: {t.is_contiguous()}) next to {x.dtype}")
+            raise ValueError(f"{name}: CPU kernels need contiguous CPU tensors of one dtype; got {t.dtype} "
+                             f"{tuple(t.shape)} on {t.device} (contiguous: {t.is_contiguous()}) next to {x.dtype}")
     try: return (cpu_kernels() if table is None else table)[name, x.dtype]
     except KeyError: raise ValueError(f"{name}: CPU kernels support float32 and bfloat16, not {x.dtype}") from None
 
 # %% ../nbs/05b_cpu_kernels.ipynb #ea866c87
 def rms_norm(x, weight, eps, residual=None):
-    """`weight * x / rms(x)` over the last dim, rounded as chapter 00a's `RMSNorm`. With `residual`, first `x += residual`
-    in place (the residual stream's add, fused into the norm that follows it)."""
+    """`weight * x / rms(x)` over the last dim, rounded as chapter 00a's `RMSNorm`. With `residual`, first
+    `x += residual` in place (the residual stream's add, fused into the norm that follows it)."""
     out, n = torch.empty_like(x), x.shape[-1]
     if weight.shape != (n,) or (residual is not None and residual.shape != x.shape):
-        raise ValueError(f"rms_norm: weight {tuple(weight.shape)} and residual must match x {tuple(x.shape)} (weight: its last dim)")
+        raise ValueError(f"rms_norm: weight {tuple(weight.shape)} and residual must match x {tuple(x.shape)} "
+                         "(weight: its last dim)")
     f = _kernel("rms_norm", x, weight, out) if residual is None else _kernel("rms_norm", x, weight, out, residual)
-    f(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // n, n, eps)
+    f(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+      x.numel() // n, n, eps)
     return out
 
 def rope_(qkv, cos, sin, heads):
-    "Rotate the first `heads` heads of every row of `qkv` [T, heads_total, d] in place. cos, sin: [T, 1, d] (`RotaryEmbedding.tables`)."
+    """Rotate the first `heads` heads of every row of `qkv` [T, heads_total, d] in place.
+    cos, sin: [T, 1, d] (`RotaryEmbedding.tables`)."""
     T, H, d = qkv.shape
     if cos.shape != sin.shape or cos.numel() != T * d or not 0 <= heads <= H:
-        raise ValueError(f"rope_: qkv {(T, H, d)} needs cos, sin with {T} x {d} values and heads <= {H}; got {tuple(cos.shape)}, heads={heads}")
+        raise ValueError(f"rope_: qkv {(T, H, d)} needs cos, sin with {T} x {d} values and heads <= {H}; "
+                         f"got {tuple(cos.shape)}, heads={heads}")
     _kernel("rope", qkv, cos, sin)(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), T, qkv.stride(0), heads, d)
     return qkv
 
 def silu_mul(gate_up):
     "`silu(gate) * up` for rows `[gate | up]` of the fused gate/up projection: [T, 2I] -> [T, I]."
-    if gate_up.dim() != 2 or gate_up.shape[1] % 2: raise ValueError(f"silu_mul: gate_up must be [T, 2 * I], got {tuple(gate_up.shape)}")
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"silu_mul: gate_up must be [T, 2 * I], got {tuple(gate_up.shape)}")
     out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
     _kernel("silu_mul", gate_up, out)(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], out.shape[1])
     return out
@@ -323,12 +337,14 @@ _FUSED = {RMSNorm: FusedRMSNorm, Attention: FusedAttention, MLP: FusedMLP, Decod
 
 def can_fuse(dtype, device):
     "Whether `fuse_cpu_ops` applies: float32 or bfloat16 on a CPU, and the kernels build here."
-    return str(dtype).removeprefix("torch.") in ("float32", "bfloat16") and str(device) == "cpu" and cpu_kernels_available()
+    return (str(dtype).removeprefix("torch.") in ("float32", "bfloat16") and str(device) == "cpu"
+            and cpu_kernels_available())
 
 def fuse_cpu_ops(model):
     "Switch every decoder layer and the final norm of `model` to the fused CPU kernels, in place."
     if not can_fuse(model.dtype, model.device):
-        raise ValueError(f"fused CPU kernels need float32 or bfloat16 on a CPU with a C++ compiler; this model is {model.dtype} on {model.device}")
+        raise ValueError("fused CPU kernels need float32 or bfloat16 on a CPU with a C++ compiler; "
+                         f"this model is {model.dtype} on {model.device}")
     for layer in model.layers:
         for m in (layer, layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm, layer.mlp):
             if type(m) in _FUSED: m.__class__ = _FUSED[type(m)]  # a mixture of experts (chapter 12b) keeps its own

@@ -1,4 +1,4 @@
-"""The whole decode step in compiled code: no Python between the matvecs, and matvecs that stream the weights as fast as this machine's memory allows.
+"""The whole decode step in compiled code: no Python between matvecs that stream the weights as fast as memory allows.
 
 Docs: https://minfer.github.io/minfer/cpu_step.html.md"""
 
@@ -171,10 +171,12 @@ template <typename T> struct DenseWeights {
 // read as `Weights` says (here DenseWeights); the norms and the LM head are always plain. timings (may be null):
 // seconds spent per part, added to: layer matvecs, LM head, norms, RoPE + KV write + attention, SiLU x up.
 template <typename T, typename Weights>
-void decode_step(T* x, const T* cos, const T* sin, const void* const* weights, T* k_cache, T* v_cache, int64_t layer_stride,
-                 const int64_t* new_slots, const int32_t* block_tables, int64_t max_blocks, const int32_t* seq_lens,
-                 int64_t block_size, float* logits, int64_t rows, const int64_t* dims, float eps, double* timings) {
-  const int64_t hidden = dims[0], inter = dims[1], n_q = dims[2], n_kv = dims[3], d = dims[4], layers = dims[5], vocab = dims[6];
+void decode_step(T* x, const T* cos, const T* sin, const void* const* weights, T* k_cache, T* v_cache,
+                 int64_t layer_stride, const int64_t* new_slots, const int32_t* block_tables, int64_t max_blocks,
+                 const int32_t* seq_lens, int64_t block_size, float* logits, int64_t rows, const int64_t* dims,
+                 float eps, double* timings) {
+  const int64_t hidden = dims[0], inter = dims[1], n_q = dims[2], n_kv = dims[3], d = dims[4], layers = dims[5],
+      vocab = dims[6];
   const int64_t group = dims[7];
   const int64_t qkv_n = (n_q + 2 * n_kv) * d;
   std::vector<T> h(rows * hidden), qkv(rows * qkv_n), attn(rows * n_q * d), out(rows * hidden), gu(rows * 2 * inter),
@@ -189,7 +191,8 @@ void decode_step(T* x, const T* cos, const T* sin, const void* const* weights, T
   auto W = [&](int64_t i) { return static_cast<const T*>(weights[i]); };
   for (int64_t l = 0; l < layers; ++l) {
     const int64_t p = 9 * l;
-    rms_norm<T>(x, l ? out.data() : nullptr, W(p), h.data(), rows, hidden, eps);  // adds the last layer's MLP output first
+    // adds the last layer's MLP output first
+    rms_norm<T>(x, l ? out.data() : nullptr, W(p), h.data(), rows, hidden, eps);
     tick(2);
     Weights::matvec(weights[p + 1], h.data(), qkv.data(), rows, hidden, qkv_n, group);
     tick(0);
@@ -227,7 +230,8 @@ void decode_step(T* x, const T* cos, const T* sin, const void* const* weights, T
   tick(1);
 }
 
-#define MATVEC(T, S) extern "C" void matvec_##S(const T* W, const T* x, T* y, int64_t rows, int64_t n_in, int64_t n_out) \
+#define MATVEC(T, S) extern "C" void matvec_##S(const T* W, const T* x, T* y, int64_t rows, int64_t n_in, \
+    int64_t n_out) \
   { matvec<T>(W, x, y, rows, n_in, n_out); }
 // decode_step's C entry point over one weight format: NAME_f32 and NAME_bf16
 #define DECODE_STEP_OVER(NAME, WEIGHTS, T, S) extern "C" void NAME##_##S(T* x, const T* cos, const T* sin, \
@@ -259,7 +263,8 @@ def cpu_step_kernels():
     "This chapter's compiled kernels (built on first use): `{(name, dtype): function}`, matvec and decode_step."
     entries = load_kernels(build_cpu_kernels(CPU_STEP_SOURCE, flags=STEP_CXX_FLAGS), _STEP_SIGNATURES)
     if len(openmp_runtimes()) > 1:  # two thread pools would fight over the cores, each spinning while the other works
-        raise RuntimeError(f"the step kernels loaded a second OpenMP runtime beside PyTorch's ({', '.join(sorted(openmp_runtimes()))}); use kernels='cpu'")
+        raise RuntimeError("the step kernels loaded a second OpenMP runtime beside PyTorch's "
+                           f"({', '.join(sorted(openmp_runtimes()))}); use kernels='cpu'")
     return entries
 
 def cpu_step_available():
@@ -273,9 +278,11 @@ def cpu_step_available():
 def matvec(w, x):
     "`F.linear(x, w)` without a bias, by the step's own kernel: x [rows <= 16, n_in], w [n_out, n_in] -> [rows, n_out]."
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or not 1 <= x.shape[0] <= FUSED_MAX_ROWS:
-        raise ValueError(f"matvec: x must be [1..{FUSED_MAX_ROWS}, n_in] and w [n_out, n_in]; got x {tuple(x.shape)}, w {tuple(w.shape)}")
+        raise ValueError(f"matvec: x must be [1..{FUSED_MAX_ROWS}, n_in] and w [n_out, n_in]; "
+                         f"got x {tuple(x.shape)}, w {tuple(w.shape)}")
     y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
-    _kernel("matvec", x, w, y, table=cpu_step_kernels())(w.data_ptr(), x.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], w.shape[0])
+    _kernel("matvec", x, w, y, table=cpu_step_kernels())(w.data_ptr(), x.data_ptr(), y.data_ptr(),
+                                                         x.shape[0], x.shape[1], w.shape[0])
     return y
 
 # %% ../nbs/05c_cpu_step.ipynb #03d0d0e6
@@ -302,10 +309,12 @@ class StepLlama(Llama):
         rows = tokens.shape[0]
         return (isinstance(attention, PagedAttention) and rows <= self.max_rows.get(self.dtype, 0)
                 and attention.cache.k.dtype == self.dtype
-                and (logits_rows is None or (len(logits_rows) == rows and bool((logits_rows == torch.arange(rows)).all()))))
+                and (logits_rows is None
+                     or (len(logits_rows) == rows and bool((logits_rows == torch.arange(rows)).all()))))
 
     def forward(self, tokens, positions, attention, logits_rows=None):
-        if not self.one_call(tokens, attention, logits_rows): return super().forward(tokens, positions, attention, logits_rows)
+        if not self.one_call(tokens, attention, logits_rows):
+            return super().forward(tokens, positions, attention, logits_rows)
         x = self.embed_tokens(tokens)  # a new tensor: the residual stream, updated in place by the call
         cos, sin = self.rope.tables(positions, x.dtype, attention)
         return step_call(self.step_kernel, self.weight_pointers, self.cfg, x, cos, sin, attention,
@@ -368,8 +377,8 @@ def fuse_decode_step(model):
     model.scale_group = formats[0][1] if formats else 0  # 0: plain projections
     model.step_kernel = formats[0][2] if formats else ("decode_step", cpu_step_kernels())
     model.weight_buffers = [w for w, _, _ in formats] if formats else None  # kept alive: the call reads them by address
-    # the weights' addresses, in decode_step's order, gathered once: ~1 ms of Python attribute lookups if done every step
-    # (replace a weight after this and call fuse_decode_step again)
+    # the weights' addresses, in decode_step's order, gathered once: ~1 ms of Python attribute lookups if done
+    # every step (replace a weight after this and call fuse_decode_step again)
     addr = [w.data_ptr() for w in model.weight_buffers] if formats else [p.weight.data_ptr() for p in projections]
     model.weight_pointers = weight_table(model.layers, addr, model.norm.weight, model.lm_head.weight)
     return model

@@ -1,4 +1,4 @@
-"""Prefill on one worker process, decode on another, each with its own model and paged pool; a request's KV blocks move between them over torch.distributed, so a long prompt no longer stalls the tokens of everyone decoding.
+"""Prefill in one process, decode in another, KV blocks sent over torch.distributed: a long prompt stalls no decoding.
 
 Docs: https://minfer.github.io/minfer/disagg.html.md"""
 
@@ -138,7 +138,8 @@ class Worker:
         elif torch.cuda.device_count() > 1: torch.cuda.set_device(ROLES.index(role))  # a GPU each
         # the prefix cache lives on the prefill side: the decode worker gets prompts' KV sent, it never computes them
         own = config.replace(pd_split=False, prefill_cores="auto", decode_cores="auto",
-                             prefix_cache=config.prefix_cache and role == "prefill", **options.get(role + "_overrides", {}))
+                             prefix_cache=config.prefix_cache and role == "prefill",
+                             **options.get(role + "_overrides", {}))
         self.config, self.model = own, build_model(own)
         self.engine = build_engine(own, self.model)
         self.cache = self.engine.cache

@@ -1,4 +1,4 @@
-"""Around chapter 06a's scheduler: build one varlen batch from whatever it chose — prefill chunks and decode tokens of different lengths, no padding — run the model once, sample, and let requests come and go.
+"""Pack what chapter 06a's scheduler chose into one unpadded varlen batch, run the model, sample; requests come and go.
 
 Docs: https://minfer.github.io/minfer/engine.html.md"""
 
@@ -122,7 +122,8 @@ class ModelRunner:
         return sampled, kept
 
     def _sample_rows(self, s, n, rows):
-        "-> [(sequence, token, logprobs)] for `s` (and the forks its prompt starts) from its `n` scheduled tokens' rows."
+        """-> [(sequence, token, logprobs)] for `s` (and the forks its prompt starts)
+        from its `n` scheduled tokens' rows."""
         if _wants_prompt_rows(s):
             add_prompt_logprobs(s, s.num_computed, rows)
         if s.num_computed + n < len(s):  # a prompt chunk with more to come
@@ -192,7 +193,8 @@ class LLMEngine:
     @property
     def stats(self):
         a = self.cache.allocator
-        return dict(steps=self.ledger.steps, tokens_generated=self.ledger.tokens_out, tokens_computed=self.ledger.tokens_in,
+        return dict(steps=self.ledger.steps, tokens_generated=self.ledger.tokens_out,
+                    tokens_computed=self.ledger.tokens_in,
                     preemptions=self.scheduler.num_preemptions, blocks_in_use=a.num_used, blocks_total=a.num_blocks,
                     cached_blocks=self.scheduler.radix.num_blocks if self.scheduler.radix else 0)
 
@@ -262,7 +264,8 @@ class EngineConfig:
     def __init__(self, model=None, **values):
         unknown = sorted(set(values) - set(SWITCHES))
         if unknown:
-            raise ValueError(f"unknown switch {unknown[0]!r}; allowed: {', '.join(n for n in SWITCHES if n != 'model')}")
+            raise ValueError(f"unknown switch {unknown[0]!r}; "
+                             f"allowed: {', '.join(n for n in SWITCHES if n != 'model')}")
         values = {name: values.get(name, s.default) for name, s in SWITCHES.items() if name != "model"}
         object.__setattr__(self, "_values", {"model": model, **values})
 
@@ -582,7 +585,8 @@ def build_engine(config, model=None):
     return attach_switches(LLMEngine(model, **engine_options(config)), config)
 
 # %% ../nbs/06b_engine.ipynb #e634b784
-def make_workload(tokenizer, n, *, seed=0, arrival="all", rate=4.0, prompt_median=64, prompt_max=512, out_min=16, out_max=128, text=None):
+def make_workload(tokenizer, n, *, seed=0, arrival="all", rate=4.0, prompt_median=64, prompt_max=512, out_min=16,
+                  out_max=128, text=None):
     "n requests as (arrival_time_s, prompt_ids, max_tokens); see the chapter for the distributions."
     from minfer.model import data_dir
     rng = random.Random(seed)
@@ -598,7 +602,8 @@ def make_workload(tokenizer, n, *, seed=0, arrival="all", rate=4.0, prompt_media
 
 # %% ../nbs/06b_engine.ipynb #f4207af8
 def serve(engine, workload, tokenizer, eos_ids=()):
-    "Replay (arrival, prompt_ids, max_tokens) against the wall clock on `engine`; -> finished sequences, elapsed seconds."
+    """Replay (arrival, prompt_ids, max_tokens) against the wall clock on `engine`; -> finished sequences,
+    elapsed seconds."""
     pending = sorted(workload, key=lambda r: r[0])
     seqs, start = [], time.perf_counter()
     while pending or engine.has_unfinished():
@@ -623,7 +628,8 @@ def summarize(seqs, elapsed):
     ttft = [s.metrics.ttft for s in seqs]
     tpot = [s.metrics.tpot for s in seqs if s.metrics.tpot is not None]
     toks = sum(len(s.output_ids) for s in seqs)
-    return dict(tokens_per_s=toks / elapsed, ttft_p50=pct(ttft, .5), ttft_p99=pct(ttft, .99), tpot_p50=pct(tpot, .5), tpot_p99=pct(tpot, .99), elapsed=elapsed)
+    return dict(tokens_per_s=toks / elapsed, ttft_p50=pct(ttft, .5), ttft_p99=pct(ttft, .99),
+                tpot_p50=pct(tpot, .5), tpot_p99=pct(tpot, .99), elapsed=elapsed)
 
 # %% ../nbs/06b_engine.ipynb #d4c4021c
 def plot_gantt(engine, seqs, ax=None, title="continuous batching: who ran in which step"):

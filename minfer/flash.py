@@ -1,4 +1,4 @@
-"""Attention without the score matrix: one fused Triton kernel for prefill and extend, one split-KV kernel for paged decode, both reading K/V straight out of the paged cache.
+"""Attention without the score matrix: Triton kernels for prefill and split-KV decode, reading K/V in the paged cache.
 
 Docs: https://minfer.github.io/minfer/flash.html.md"""
 
@@ -80,14 +80,17 @@ def _check_paged(q, k_cache, v_cache, block_tables, seq_lens):
         raise ValueError(f"head dims {D} vs {k_cache.shape[3]}, or Hq={Hq} not a multiple of Hkv={Hkv}")
     if not q.dtype == k_cache.dtype == v_cache.dtype:
         raise ValueError(f"dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1: raise ValueError("last dim must be contiguous")
-    if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32: raise ValueError("block_tables and seq_lens must be int32")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("last dim must be contiguous")
+    if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        raise ValueError("block_tables and seq_lens must be int32")
 
 def _launch_opts(x): return dict(num_warps=4, num_stages=2) if x.is_cuda else {}
 
 def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q, scale=None,
                       block_m=None, block_n=None):
-    "Causal GQA attention of packed new tokens q [T, Hq, D] over paged K/V; sequence i's rows are its last q_len positions."
+    """Causal GQA attention of packed new tokens q [T, Hq, D] over paged K/V;
+    sequence i's rows are its last q_len positions."""
     _check_paged(q, k_cache, v_cache, block_tables, seq_lens)
     (T, Hq, D), (_, block_size, Hkv, _) = q.shape, k_cache.shape
     group = Hq // Hkv
@@ -108,7 +111,8 @@ def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
 # %% ../nbs/05a_flash.ipynb #a37a3b63
 @dataclass
 class PagedBatch:
-    "A test batch: packed queries, a paged K/V cache, block tables, and each sequence's contiguous K/V for the reference."
+    """A test batch: packed queries, a paged K/V cache, block tables,
+    and each sequence's contiguous K/V for the reference."""
     q: torch.Tensor
     k_cache: torch.Tensor
     v_cache: torch.Tensor
@@ -127,7 +131,8 @@ class PagedBatch:
 
 def random_paged_batch(seq_lens, q_lens=None, n_q_heads=6, n_kv_heads=2, head_dim=64, block_size=16,
                        dtype=torch.float32, device="cpu", seed=0):
-    "Random K/V for sequences of `seq_lens` tokens scattered over shuffled blocks; the last `q_lens` of each are queries."
+    """Random K/V for sequences of `seq_lens` tokens scattered over shuffled blocks;
+    the last `q_lens` of each are queries."""
     q_lens = list(seq_lens) if q_lens is None else list(q_lens)
     g = torch.Generator(device="cpu").manual_seed(seed)
     n_blocks = [triton.cdiv(s, block_size) for s in seq_lens]
@@ -180,7 +185,8 @@ def _decode_split_kernel(Q, KV, O_part, LSE_part, block_tables, seq_lens, scale_
     h_ok = tl.arange(0, BLOCK_H) < GROUP
     offs_n, offs_d = tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < D
-    q = tl.load(Q + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=h_ok[:, None] & d_ok, other=0.0)
+    q = tl.load(Q + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=h_ok[:, None] & d_ok, other=0.0)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -268,7 +274,8 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, num_splits=Non
 from .paged import PagedAttention, ATTENTION_BACKENDS
 
 class TritonAttention(PagedAttention):
-    "PagedAttention with the Triton kernels: split-KV decode when every sequence has one new token, else prefill/extend."
+    """PagedAttention with the Triton kernels: split-KV decode when every sequence has one new token,
+    else prefill/extend."""
     # on a CPU only in Triton's interpreter (TRITON_INTERPRET=1: tests, small shapes); never bf16 there (wrong results)
     devices, dtypes = ("cuda", "cpu"), ("float32", "bfloat16", "float16")
     def attention(self, q, k_cache, v_cache, meta):

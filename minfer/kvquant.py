@@ -59,7 +59,8 @@ class KVFormat(PoolFormat):
         return block_size * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * self.bytes_per_vector(cfg.head_dim)
 
     def from_budget(self, cfg, budget_bytes, block_size, dtype, device, max_seqs):
-        "This format's pool for `budget_bytes` (`QuantizedKVCache`, below): what chapter 03's `kv_cache_from_budget` asks."
+        """This format's pool for `budget_bytes` (`QuantizedKVCache`, below):
+        what chapter 03's `kv_cache_from_budget` asks."""
         return QuantizedKVCache.from_budget(cfg, budget_bytes, block_size, dtype, device, self.name)
 
 def key_rotation(head_dim):

@@ -1,4 +1,4 @@
-"""Generate text the simplest way there is — recompute the whole sequence for every new token — and measure why nobody does.
+"""Generate text the simplest way — recompute the whole sequence for every new token — and measure why nobody does.
 
 Docs: https://minfer.github.io/minfer/naive.html.md"""
 

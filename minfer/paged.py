@@ -1,4 +1,4 @@
-"""Give every sequence its KV cache in fixed-size blocks from one shared pool, so memory is held only for tokens that exist — and let the samples of one prompt share it.
+"""KV cache in blocks from one shared pool: memory held only for tokens that exist, and shared by a prompt's samples.
 
 Docs: https://minfer.github.io/minfer/paged.html.md"""
 
@@ -29,11 +29,12 @@ class OutOfBlocks(RuntimeError):
 # %% ../nbs/03_paged.ipynb #c3a6fbe3
 class BlockAllocator:
     """A free list of `num_blocks` physical block ids with a reference count each.
-    `allocate(n)` -> n ids at refcount 1 (all or nothing, else `OutOfBlocks`); `incref(ids)` shares; `free(ids)` drops one
-    reference each and returns the ids whose count reached 0 (back on the free list at once).
+    `allocate(n)` -> n ids at refcount 1 (all or nothing, else `OutOfBlocks`); `incref(ids)` shares; `free(ids)`
+    drops one reference each and returns the ids whose count reached 0 (back on the free list at once).
     `evictor(n)`, if set (a `RadixCache` sets it), is asked to release n blocks before `OutOfBlocks` is raised."""
     def __init__(self, num_blocks, block_size=16):
-        if num_blocks < 1 or block_size < 1: raise ValueError(f"num_blocks={num_blocks}, block_size={block_size}: both must be >= 1")
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks={num_blocks}, block_size={block_size}: both must be >= 1")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.free_ids = deque(range(num_blocks))
         self.refcount = [0] * num_blocks
@@ -75,13 +76,15 @@ class BlockAllocator:
 # %% ../nbs/03_paged.ipynb #c98e6996
 class BlockTable:
     """One sequence's blocks: position p lives in `blocks[p // block_size]` at offset `p % block_size`.
-    `num_tokens` counts positions whose KV is written (or reserved for this step). Blocks may be shared with other
-    tables or the prefix cache (refcount > 1); `append_slots` copies a shared block before anything is written into it."""
+    `num_tokens` counts positions whose KV is written (or reserved for this step). Blocks may be shared with
+    other tables or the prefix cache (refcount > 1); `append_slots` copies a shared block before anything is
+    written into it."""
     def __init__(self, allocator, blocks=(), num_tokens=0, share=True):
         "A table over `blocks` (which it increfs when `share`, e.g. a prefix-cache hit) holding `num_tokens` tokens."
         self.allocator, self.block_size = allocator, allocator.block_size
         self.blocks, self.num_tokens = list(blocks), num_tokens
-        if num_tokens > len(self.blocks) * self.block_size: raise ValueError(f"{num_tokens} tokens do not fit in {len(self.blocks)} blocks")
+        if num_tokens > len(self.blocks) * self.block_size:
+            raise ValueError(f"{num_tokens} tokens do not fit in {len(self.blocks)} blocks")
         if share: allocator.incref(self.blocks)
 
     def append_slots(self, n):
@@ -154,7 +157,8 @@ def build_batch_meta(seqs, block_size, device="cpu", keys=None):
     tables = [list(getattr(bt, "blocks", bt)) for bt, _, _ in seqs]
     slots, cu, lens, row_keys = [], [0], [], {}
     for i, (blocks, (_, c, n)) in enumerate(zip(tables, seqs)):
-        if -(-(c + n) // block_size) > len(blocks): raise ValueError(f"block table of {len(blocks)} blocks cannot hold {c + n} tokens")
+        if -(-(c + n) // block_size) > len(blocks):
+            raise ValueError(f"block table of {len(blocks)} blocks cannot hold {c + n} tokens")
         slots += [blocks[p // block_size] * block_size + p % block_size for p in range(c, c + n)]
         cu.append(cu[-1] + n)
         lens.append(c + n)
@@ -166,7 +170,8 @@ def build_batch_meta(seqs, block_size, device="cpu", keys=None):
     width = max([len(b) for b in tables] + [1])
     bt = torch.tensor([b + [0] * (width - len(b)) for b in tables], dtype=torch.int32).reshape(len(seqs), width)
     q_lens = [b - a for a, b in zip(cu, cu[1:])]
-    return BatchMeta(torch.tensor(slots, dtype=torch.int64, device=device), torch.tensor(cu, dtype=torch.int32, device=device),
+    return BatchMeta(torch.tensor(slots, dtype=torch.int64, device=device),
+                     torch.tensor(cu, dtype=torch.int32, device=device),
                      torch.tensor(lens, dtype=torch.int32, device=device), bt.to(device),
                      max(q_lens, default=0), max(lens, default=0), row_keys=row_keys or None)
 
@@ -232,7 +237,8 @@ class PagedAttention:
     """Attention over a paged cache. `bind(meta)` gives the model's `attention(layer, q, k, v)` for one step's batch
     `meta` (a `BatchMeta`); its `__call__` writes the new k, v at `meta.slot_mapping`; `attention` is the PyTorch
     reference (subclasses override it)."""
-    decode_group = 16  # decode sequences attended together in one padded SDPA call (sorted by length, so little padding)
+    # decode sequences attended together in one padded SDPA call (sorted by length, so little padding)
+    decode_group = 16
     # what this backend runs on; the engine's config refuses other combinations (chapter 06b)
     devices, dtypes = ("cpu", "cuda"), ("float32", "bfloat16", "float16")
 
@@ -290,14 +296,16 @@ class PagedAttention:
             slots = meta.block_tables[idx].long()[:, pos // bs] * bs + pos % bs
             for j, i in enumerate(g):
                 if i in explicit: slots[j, :lens[i]] = explicit[i]
-            # padding reads the sequence's own first key (then masked out), never another request's data, which may be inf
+            # padding reads the sequence's own first key (then masked out), never another request's data,
+            # which may be inf
             slots = torch.where(valid, slots, slots[:, :1])
             mask = None if lens[g[0]] == lens[g[-1]] else valid[:, None, None, :]
             decode.append((rows, slots.flatten(), mask))
         return prefill, decode
 
     def attention(self, q, k_cache, v_cache, meta):
-        "Gather K/V into contiguous tensors (or view them), then SDPA: one call per prefill chunk, one per group of decode rows."
+        """Gather K/V into contiguous tensors (or view them), then SDPA:
+        one call per prefill chunk, one per group of decode rows."""
         if self.plan is None: self.plan = self.make_plan(meta, k_cache.shape[1])
         prefill, decode = self.plan
         h, d = k_cache.shape[2:]
@@ -342,7 +350,8 @@ class PagedAttention:
 
 def table_slots(blocks, n, bs, device="cpu"):
     """Where positions [0, n) of a sequence with block ids `blocks` sit in the flat pool: a `slice` when its blocks are
-    consecutive (as when one sequence grows in a fresh pool), so `take` returns a view and copies nothing; else slot ids."""
+    consecutive (as when one sequence grows in a fresh pool), so `take` returns a view and copies nothing;
+    else slot ids."""
     blocks = blocks[:-(-n // bs)]
     if blocks == list(range(blocks[0], blocks[0] + len(blocks))): return slice(blocks[0] * bs, blocks[0] * bs + n)
     return (torch.tensor(blocks, device=device)[:, None] * bs + torch.arange(bs, device=device)).flatten()[:n]
@@ -415,8 +424,8 @@ from .sampling import sample_next
 
 class PagedGenerator:
     """Serve a batch of prompts over one paged pool: every step packs all running sequences into one forward pass.
-    `n > 1` forks a sequence after its prompt (copy-on-write); a sequence's blocks return to the pool the step it finishes.
-    `admit`, `fork`, `release` and `abort` are the hooks chapter 04 overrides to add the prefix cache."""
+    `n > 1` forks a sequence after its prompt (copy-on-write); a sequence's blocks return to the pool the step it
+    finishes. `admit`, `fork`, `release` and `abort` are the hooks chapter 04 overrides to add the prefix cache."""
     def __init__(self, model, cache=None, num_blocks=None, block_size=16):
         "cache: a `PagedKVCache` to use (its block size wins), else one is made on the first `generate` call."
         self.model, self.cache = model, cache
@@ -424,7 +433,8 @@ class PagedGenerator:
         self.tables = {}  # Sequence.id -> BlockTable
 
     def _make_cache(self, prompts, params):
-        n = self.num_blocks or sum(sp.n * -(-(len(p) + sp.max_tokens) // self.block_size) for p, sp in zip(prompts, params))
+        n = self.num_blocks or sum(sp.n * -(-(len(p) + sp.max_tokens) // self.block_size)
+                                   for p, sp in zip(prompts, params))
         return PagedKVCache(self.model.cfg, n, self.block_size, self.model.dtype, self.model.device)
 
     def admit(self, seq): return BlockTable(self.cache.allocator)
@@ -438,17 +448,22 @@ class PagedGenerator:
         Returns, per prompt, its `n` finished `Sequence`s (sample j seeded with `seed + j`).
         Raises `OutOfBlocks` (after returning every block this call took) if the pool is too small for the batch."""
         params = params if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts): raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts; give one, or one per prompt")
-        if any(sp.stop for sp in params) and tokenizer is None: raise ValueError("stop strings need a tokenizer: pass tokenizer=")
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts; "
+                             "give one, or one per prompt")
+        if any(sp.stop for sp in params) and tokenizer is None:
+            raise ValueError("stop strings need a tokenizer: pass tokenizer=")
         if self.cache is None: self.cache = self._make_cache(prompts, params)
         tok, attn, model, dev = tokenizer, PagedAttention(self.cache), self.model, self.model.device
         seed = lambda sp, j: None if sp.seed is None else sp.seed + j
-        groups = [[Sequence(p, sp, tok, eos_ids, seed=seed(sp, 0), request_id=i)] for i, (p, sp) in enumerate(zip(prompts, params))]
+        groups = [[Sequence(p, sp, tok, eos_ids, seed=seed(sp, 0), request_id=i)]
+                  for i, (p, sp) in enumerate(zip(prompts, params))]
         running = [g[0] for g in groups]
         try:
             for s in running:
                 self.tables[s.id] = t = self.admit(s)
-                s.status, s.metrics.first_scheduled_time, s.metrics.num_cached_tokens = "running", s.metrics.arrival_time, t.num_tokens
+                s.status, s.metrics.first_scheduled_time, s.metrics.num_cached_tokens = (
+                    "running", s.metrics.arrival_time, t.num_tokens)
             while running:
                 steps = []  # (sequence, table, tokens already cached, new tokens)
                 for s in running:
@@ -481,13 +496,16 @@ class PagedGenerator:
             raise
         return groups
 
-def paged_generate(model, prompts, params=None, *, cache=None, num_blocks=None, block_size=16, tokenizer=None, eos_ids=(), on_step=None):
-    "`PagedGenerator(model, cache, num_blocks, block_size).generate(prompts, params, ...)`: per prompt, its n finished `Sequence`s."
+def paged_generate(model, prompts, params=None, *, cache=None, num_blocks=None, block_size=16, tokenizer=None,
+                   eos_ids=(), on_step=None):
+    """`PagedGenerator(model, cache, num_blocks, block_size).generate(prompts, params, ...)`: per prompt,
+    its n finished `Sequence`s."""
     return PagedGenerator(model, cache, num_blocks, block_size).generate(prompts, params, tokenizer, eos_ids, on_step)
 
 # %% ../nbs/03_paged.ipynb #67382e81
 def block_holders(tables, num_blocks, cached=()):
-    "Who holds each physical block: one tuple of holder labels per block (() = free). tables: {label: BlockTable or list of ids}."
+    """Who holds each physical block: one tuple of holder labels per block (() = free).
+    tables: {label: BlockTable or list of ids}."""
     holders = [[] for _ in range(num_blocks)]
     for label, t in tables.items():
         for b in getattr(t, "blocks", t): holders[b].append(label)
@@ -495,7 +513,8 @@ def block_holders(tables, num_blocks, cached=()):
     return [tuple(h) for h in holders]
 
 def draw_block_map(history, ax=None, title="physical KV blocks over time", xlabel="step"):
-    "Picture of `block_holders` snapshots, one column each: a colour per holder, dark = shared (with the count), white = free."
+    """Picture of `block_holders` snapshots, one column each: a colour per holder, dark = shared (with the count),
+    white = free."""
     import matplotlib.pyplot as plt, numpy as np
     from matplotlib.patches import Patch
     names = list(dict.fromkeys(h for snap in history for hs in snap for h in hs if h != "cache"))
@@ -510,7 +529,8 @@ def draw_block_map(history, ax=None, title="physical KV blocks over time", xlabe
             if len(hs) == 1: img[b, t] = color[hs[0]]
             elif hs:
                 img[b, t] = (0.18, 0.18, 0.22, 1.0)
-                if nb <= 40 and steps <= 40: ax.text(t, b, str(len(hs)), ha="center", va="center", color="white", fontsize=7)
+                if nb <= 40 and steps <= 40:
+                    ax.text(t, b, str(len(hs)), ha="center", va="center", color="white", fontsize=7)
     ax.imshow(img, aspect="auto", interpolation="nearest", origin="lower", extent=(-0.5, steps - 0.5, -0.5, nb - 0.5))
     ax.set_xlabel(xlabel)
     ax.set_ylabel("physical block")
@@ -518,7 +538,9 @@ def draw_block_map(history, ax=None, title="physical KV blocks over time", xlabe
     from matplotlib.ticker import MaxNLocator
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    handles = [Patch(color=color[n], label=str(n)) for n in names + (["cache"] if any("cache" in hs for s in history for hs in s) else [])]
-    handles += [Patch(color=(0.18, 0.18, 0.22), label="shared"), Patch(facecolor="white", edgecolor="0.7", label="free")]
+    handles = [Patch(color=color[n], label=str(n))
+               for n in names + (["cache"] if any("cache" in hs for s in history for hs in s) else [])]
+    handles += [Patch(color=(0.18, 0.18, 0.22), label="shared"),
+                Patch(facecolor="white", edgecolor="0.7", label="free")]
     ax.legend(handles=handles, bbox_to_anchor=(1.01, 1), loc="upper left", fontsize=8)
     return ax.figure

@@ -1,4 +1,4 @@
-"""Keep the KV blocks of finished requests in a tree keyed by their tokens, so a new request that starts the same way computes only what is new.
+"""Keep finished requests' KV blocks in a tree keyed by tokens: a request that starts the same computes only the rest.
 
 Docs: https://minfer.github.io/minfer/radix.html.md"""
 
@@ -61,7 +61,9 @@ class RadixCache:
             child = node.children.get(self._key(tokens, i))
             if child is None: break
             m = 0
-            while m < len(child.blocks) and i + m < n and child.key[m * self.block_size:(m + 1) * self.block_size] == self._key(tokens, i + m): m += 1
+            while (m < len(child.blocks) and i + m < n
+                   and child.key[m * self.block_size:(m + 1) * self.block_size] == self._key(tokens, i + m)):
+                m += 1
             if m < len(child.blocks): child = self._split(child, m)
             node, i = child, i + m
             node.last_access = now
@@ -74,7 +76,8 @@ class RadixCache:
         return blocks, n * self.block_size, node
 
     def insert(self, tokens, blocks):
-        "Cache the whole blocks of `tokens` (KV in `blocks`) -> (tokens that were cached already, node of the full path)."
+        """Cache the whole blocks of `tokens` (KV in `blocks`)
+        -> (tokens that were cached already, node of the full path)."""
         n = min(len(tokens) // self.block_size, len(blocks))
         node, _, i = self._walk(tokens[:n * self.block_size])
         if i < n:
@@ -105,7 +108,8 @@ class RadixCache:
             node = node.parent
 
     def evict(self, n):
-        "Free least-recently-used unlocked leaves (a parent becomes a leaf when its last child goes) until n blocks are free'd."
+        """Free least-recently-used unlocked leaves (a parent becomes a leaf when its last child goes)
+        until n blocks are free'd."""
         heap = [(x.last_access, id(x), x) for x in self.nodes() if not x.children and x.lock_ref == 0]
         heapq.heapify(heap)
         freed = 0
@@ -170,7 +174,8 @@ class RadixGenerator(PagedGenerator):
 
 # %% ../nbs/04_radix.ipynb #16604bcb
 def draw_tree(radix, ax=None, fmt=None, title="radix tree"):
-    "Boxes for the nodes of a `RadixCache` (tokens, block ids), root on top; red outline = locked, darker = more recently used."
+    """Boxes for the nodes of a `RadixCache` (tokens, block ids), root on top; red outline = locked,
+    darker = more recently used."""
     import matplotlib.pyplot as plt
     fmt = fmt or (lambda key: " ".join(map(str, key)))
     pos, width = {}, [0]
@@ -220,7 +225,8 @@ class StepperState:
     log: list = field(default_factory=list)       # one dict per served request
 
 def _snapshot(state):
-    return [(f"req {state.origin[b]}",) if state.allocator.refcount[b] else () for b in range(state.allocator.num_blocks)]
+    return [(f"req {state.origin[b]}",) if state.allocator.refcount[b] else ()
+            for b in range(state.allocator.num_blocks)]
 
 def stepper_start(requests, num_blocks=12, block_size=2):
     "The state before any request: an empty pool and tree. requests: lists of (hashable) tokens."
@@ -230,7 +236,8 @@ def stepper_start(requests, num_blocks=12, block_size=2):
     return s
 
 def stepper_step(state):
-    "Serve the next request on a copy of `state` (match, compute the rest, evicting if short, cache, release); return the copy."
+    """Serve the next request on a copy of `state` (match, compute the rest, evicting if short, cache, release);
+    return the copy."""
     if state.step >= len(state.requests): return state
     s = copy.deepcopy(state)
     tokens, a, r = s.requests[s.step], s.allocator, s.radix
@@ -260,7 +267,8 @@ def draw_stepper(state, fmt=None):
     draw_block_map(state.history, ax=a1, title="who computed each cached block", xlabel="requests served")
     e = state.log[-1] if state.log else None
     title = "radix tree (empty)" if e is None else (
-        f"request {e['request']}: {e['tokens']} tokens, {e['cached']} from cache, {e['computed']} computed, {e.get('evicted', 0)} blocks evicted"
+        f"request {e['request']}: {e['tokens']} tokens, {e['cached']} from cache, {e['computed']} computed, "
+        f"{e.get('evicted', 0)} blocks evicted"
         + (" — OUT OF BLOCKS" if "error" in e else ""))
     draw_tree(state.radix, ax=a2, fmt=fmt, title=title)
     fig.tight_layout()

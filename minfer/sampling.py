@@ -100,7 +100,8 @@ class SamplingParams:
         num, integer = (int, float), lambda v: isinstance(v, int) and not isinstance(v, bool)
         if not isinstance(self.temperature, num) or not 0 <= self.temperature <= 100:
             bad(f"temperature={self.temperature!r}", "use a number in [0, 100] (0 = greedy)")
-        if not isinstance(self.top_p, num) or not 0 < self.top_p <= 1: bad(f"top_p={self.top_p!r}", "use a number in (0, 1]")
+        if not isinstance(self.top_p, num) or not 0 < self.top_p <= 1:
+            bad(f"top_p={self.top_p!r}", "use a number in (0, 1]")
         if not integer(self.top_k) or self.top_k < -1:
             bad(f"top_k={self.top_k!r}", "use an integer >= 1, or 0 / -1 for no top-k")
         if not integer(self.max_tokens) or self.max_tokens < 1:
@@ -108,7 +109,8 @@ class SamplingParams:
         if not integer(self.n) or not 1 <= self.n <= 64: bad(f"n={self.n!r}", "use an integer in [1, 64]")
         if self.seed is not None and (not integer(self.seed) or self.seed < 0):
             bad(f"seed={self.seed!r}", "use a non-negative integer or None")
-        if not all(isinstance(s, str) and s for s in self.stop): bad(f"stop={self.stop!r}", "use a non-empty string or a list of them")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            bad(f"stop={self.stop!r}", "use a non-empty string or a list of them")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and (not integer(k) or not 0 <= k <= 20):

@@ -1,4 +1,4 @@
-"""Decide, every step, which tokens of which requests go into the next forward pass — under one token budget, over one paged KV pool.
+"""Decide each step which tokens of which requests go into the next forward pass: one token budget, one paged KV pool.
 
 Docs: https://minfer.github.io/minfer/scheduler.html.md"""
 
@@ -40,14 +40,15 @@ class Lookahead:
 # %% ../nbs/06a_scheduler.ipynb #311c4e72
 class Scheduler:
     """Iteration-level scheduling over a paged KV pool.
-    Each `schedule()` spends `max_num_batched_tokens`: running decodes first, then the next chunk of unfinished prefills,
-    then waiting requests (their prompts chunked when `chunked_prefill`). At most `max_num_seqs` run at once.
-    Out of KV blocks -> the newest running sequence not yet scheduled this step is preempted (blocks freed, recomputed
-    later). `lookahead` (a `Lookahead`) says which sequences want tokens ahead of their due ones. After the forward
-    pass, `postprocess` records what was computed and appends the sampled tokens."""
+    Each `schedule()` spends `max_num_batched_tokens`: running decodes first, then the next chunk of unfinished
+    prefills, then waiting requests (their prompts chunked when `chunked_prefill`). At most `max_num_seqs` run at
+    once. Out of KV blocks -> the newest running sequence not yet scheduled this step is preempted (blocks freed,
+    recomputed later). `lookahead` (a `Lookahead`) says which sequences want tokens ahead of their due ones. After
+    the forward pass, `postprocess` records what was computed and appends the sampled tokens."""
     def __init__(self, cache, max_num_seqs=64, max_num_batched_tokens=256, prefix_cache=False, chunked_prefill=True):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
-            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens}, max_num_seqs={max_num_seqs}: both must be >= 1")
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens}, max_num_seqs={max_num_seqs}: "
+                             "both must be >= 1")
         self.cache, self.allocator = cache, cache.allocator
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
@@ -57,7 +58,8 @@ class Scheduler:
         self.lookahead = Lookahead()
 
     def add(self, seq, forks=()):
-        "Queue a sequence; `forks` are further samples of the same prompt, started by copy-on-write once its prompt is done."
+        """Queue a sequence; `forks` are further samples of the same prompt,
+        started by copy-on-write once its prompt is done."""
         seq.forks = list(forks)
         self.waiting.append(seq)
 
@@ -99,7 +101,8 @@ class Scheduler:
         for f in seq.forks: f.abort()
 
     def abort(self, seq_id):
-        "Abort a sequence wherever it is (aborting a sequence also aborts its not-yet-started forks); blocks return at once."
+        """Abort a sequence wherever it is (aborting a sequence also aborts its not-yet-started forks);
+        blocks return at once."""
         for s in list(self.waiting) + list(self.running):
             for f in s.forks:
                 if f.id == seq_id: f.abort()

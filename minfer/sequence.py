@@ -1,4 +1,4 @@
-"""One request's state in one plain object: its tokens, its text decoded as it grows, when it stops, how long it took — declared in full, so every later chapter reads the same fields and a worker process can receive it.
+"""One request's state in one plain object: tokens, text, stop, timings; the same fields for every chapter and worker.
 
 Docs: https://minfer.github.io/minfer/sequence.html.md"""
 

@@ -1,4 +1,4 @@
-"""Take requests, run one forward pass per `step()`, hand back the sequences that advanced: chapters 01 and 02a behind the interface every later engine keeps.
+"""Take requests, run one forward pass per `step()`, return those that advanced: the interface later engines keep.
 
 Docs: https://minfer.github.io/minfer/sequential.html.md"""
 
