@@ -26,9 +26,10 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from .model import (DTYPES, QUANT_METHODS, Llama, ModelConfig, NoCache, PackedCausal, PackedLinear,
-                          Registry, Tokenizer, WeightFormat, can_pack, data_dir,
+                          Registry, WeightFormat, can_pack, data_dir,
                           check_model_folder, load_model, register_weight_format, make_rope, check_behaviours)
 from .roofline import DTYPE_BYTES, param_counts
+from .tokenizer import Tokenizer
 from .cli import COMMANDS, Command
 from .llm import VLLM_ARGUMENTS
 

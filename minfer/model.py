@@ -10,14 +10,13 @@ __all__ = ['DTYPES', 'GGUF_PACKAGE', 'GGUF_FILE', 'MODEL_FAMILIES', 'ROPE_SCALIN
            'definition', 'unpermute_rope', 'find_default_gguf', 'convert_gguf', 'source_root', 'data_dir',
            'default_model_dir', 'RopeSpec', 'ModelConfig', 'check_model_folder', 'Family', 'rope_inv_freq',
            'check_rope_type', 'rope_spec', 'refuse_unsupported', 'describe_llama', 'Behaviour', 'runs_behaviours',
-           'refused_behaviours', 'check_behaviours', 'Tokenizer', 'compiled_chat_template', 'sandboxed_jinja',
-           'RMSNorm', 'RotaryEmbedding', 'Attention', 'MLP', 'MLPSpec', 'layer_mlp', 'DecoderLayer', 'Llama',
-           'rope_module', 'make_rope', 'load_model', 'read_checkpoint', 'checkpoint_params', 'AttentionVariant',
-           'attend', 'NoCache', 'PackedCausal', 'PackedLinear', 'can_pack', 'pack_weights', 'WeightFormat',
-           'register_weight_format']
+           'refused_behaviours', 'check_behaviours', 'RMSNorm', 'RotaryEmbedding', 'Attention', 'MLP', 'MLPSpec',
+           'layer_mlp', 'DecoderLayer', 'Llama', 'rope_module', 'make_rope', 'load_model', 'read_checkpoint',
+           'checkpoint_params', 'AttentionVariant', 'attend', 'NoCache', 'PackedCausal', 'PackedLinear', 'can_pack',
+           'pack_weights', 'WeightFormat', 'register_weight_format']
 
 # %% ../nbs/00a_model.ipynb #afc2d4da
-import collections.abc, dataclasses, datetime, functools, importlib.util, json, math, os, re
+import collections.abc, dataclasses, functools, importlib.util, json, math, os, re
 from dataclasses import dataclass
 from typing import Callable
 from pathlib import Path
@@ -26,7 +25,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
-import jinja2, jinja2.ext, jinja2.sandbox
 
 # %% ../nbs/00a_model.ipynb #806ca6cc
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -413,102 +411,6 @@ BEHAVIOURS.update(
     o_bias=Behaviour(lambda cfg: cfg.o_bias, "a bias on attention's output projection"),
     mlp_bias=Behaviour(lambda cfg: cfg.mlp_bias, "biases on the MLP's projections"),
     hidden_act=Behaviour(lambda cfg: cfg.hidden_act != "silu", "an MLP gate other than SiLU"))
-
-# %% ../nbs/00a_model.ipynb #41bb68fd
-class Tokenizer:
-    "Text <-> token ids, special tokens and the chat template of a model folder."
-    def __init__(self, folder):
-        from tokenizers import Tokenizer as _Tok
-        folder = Path(folder)
-        self.tok = _Tok.from_file(str(folder / "tokenizer.json"))
-        cfg_path = folder / "tokenizer_config.json"
-        self.config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
-        tmpl = folder / "chat_template.jinja"
-        self.chat_template = self.config.get("chat_template") or (tmpl.read_text() if tmpl.exists() else None)
-        token = lambda v: v.get("content") if isinstance(v, dict) else v
-        self.eos_token, self.bos_token = token(self.config.get("eos_token")), token(self.config.get("bos_token"))
-        self.eos_token_id = self.tok.token_to_id(self.eos_token) if self.eos_token else None
-        self.add_bos = bool(self.config.get("add_bos_token", False)) and self.bos_token is not None
-        # the special tokens a template may name, as transformers passes them (bos_token, eos_token, ...)
-        names = ("bos_token", "eos_token", "unk_token", "pad_token")
-        self.special_tokens = {n: token(self.config[n]) for n in names if token(self.config.get(n)) is not None}
-
-    @property
-    def vocab_size(self): return self.tok.get_vocab_size()
-
-    def encode(self, text):
-        ids = self.tok.encode(text, add_special_tokens=False).ids
-        return [self.tok.token_to_id(self.bos_token)] + ids if self.add_bos else ids
-
-    def decode(self, ids, skip_special_tokens=True): return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-    def apply_chat_template(self, messages, add_generation_prompt=True):
-        "Render a list of `{'role', 'content'}` messages to the prompt string the model was trained on."
-        if not self.chat_template:
-            raise ValueError("this model's tokenizer_config.json has no chat_template; use generate() with a plain "
-                             "prompt")
-        try:
-            template = compiled_chat_template(self.chat_template)
-            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                   **self.special_tokens)
-        except jinja2.exceptions.SecurityError as e:
-            raise ValueError(f"this model's chat template tried something the sandbox forbids ({e}); refused") from None
-        except jinja2.TemplateError as e:  # the template's own raise_exception("..."), or a render error
-            raise ValueError(f"the chat template refused this conversation: {e}") from None
-
-class _GenerationTag(jinja2.ext.Extension):
-    "`{% generation %}...{% endgeneration %}`, which templates use to mark the assistant's text: renders its body."
-    tags = {"generation"}
-
-    def parse(self, parser):
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-    def _body(self, caller):
-        return caller()
-
-class _Namespace(jinja2.utils.Namespace):
-    "Jinja's `namespace()`, refusing names that start with an underscore (a way towards Python's internals)."
-    def __init__(*args, **kwargs):
-        self, attrs = args[0], dict(*args[1:], **kwargs)
-        for name in attrs:
-            _Namespace._check(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name, value):
-        _Namespace._check(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check(name):
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} starts with an underscore")
-
-@functools.lru_cache(maxsize=16)
-def compiled_chat_template(source):
-    "A chat template compiled once in the sandbox (`sandboxed_jinja`); one that does not compile is refused in one line."
-    try:
-        return sandboxed_jinja().from_string(source)
-    except jinja2.TemplateSyntaxError as e:
-        raise ValueError(f"this model's chat template does not compile (line {e.lineno}: {e.message})") from None
-
-def sandboxed_jinja():
-    """The Jinja environment chat templates render in: jinja2's `ImmutableSandboxedEnvironment` (no access to Python's
-    internals, no mutation of what it is given) with the helpers transformers gives templates, so a template renders
-    byte for byte as `apply_chat_template` renders it there."""
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        # not Jinja's own `tojson`, which escapes HTML characters
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-    def strftime_now(format):
-        return datetime.datetime.now().strftime(format)
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, namespace=_Namespace)
-    return env
 
 # %% ../nbs/00a_model.ipynb #7de69805
 class RMSNorm(nn.Module):
