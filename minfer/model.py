@@ -12,8 +12,8 @@ __all__ = ['DTYPES', 'GGUF_PACKAGE', 'GGUF_FILE', 'MODEL_FAMILIES', 'ROPE_SCALIN
            'check_rope_type', 'rope_spec', 'refuse_unsupported', 'describe_llama', 'Behaviour', 'runs_behaviours',
            'refused_behaviours', 'check_behaviours', 'RMSNorm', 'RotaryEmbedding', 'Attention', 'MLP', 'MLPSpec',
            'layer_mlp', 'DecoderLayer', 'Llama', 'rope_module', 'make_rope', 'load_model', 'read_checkpoint',
-           'checkpoint_params', 'AttentionVariant', 'attend', 'NoCache', 'PackedCausal', 'PackedLinear', 'can_pack',
-           'pack_weights', 'WeightFormat', 'register_weight_format']
+           'checkpoint_params', 'AttentionVariant', 'attend', 'NoCache', 'PackedCausal', 'WeightFormat',
+           'register_weight_format']
 
 # %% ../nbs/00a_model.ipynb #afc2d4da
 import collections.abc, dataclasses, functools, importlib.util, json, math, os, re
@@ -418,7 +418,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
     def forward(self, x):
-        # fp32 activations: fp32 throughout (bf16 weights meet fp32 activations in packed models' wide steps, below)
+        # fp32 activations: fp32 throughout (packed bf16 models' wide steps, chapter 00b)
         if x.dtype == torch.float32: return F.rms_norm(x, x.shape[-1:], self.weight.float(), self.eps)
         # normalise in fp32 even for bf16 weights, as the reference implementation does
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
@@ -577,7 +577,7 @@ class Llama(nn.Module):
     @property
     def device(self): return self.embed_tokens.weight.device
 
-    # the activations' dtype in forwards of more than one token; None: the weights' (`pack_weights` sets fp32 for bf16)
+    # the activations' dtype in forwards of more than one token; None: the weights' (00b's packed bf16: fp32)
     wide_dtype = None
 
     def rope_tables(self, positions, dtype, attention=None):
@@ -725,49 +725,6 @@ class PackedCausal:
         return self.join(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
 
 # %% ../nbs/00a_model.ipynb #c15bace6
-class PackedLinear(nn.Module):
-    """y = x Wᵀ (+ b) for a weight W [out, in], multiplied by oneDNN from a copy it has reordered, once, into its
-    own blocked fp32 layout: the same product as `F.linear`, streamed faster by oneDNN's CPU kernels. `weight` (the
-    plain matrix, in the model's dtype) is kept: 05c's one-call decode step reads it. bf16 weights are widened to
-    fp32 for the packed copy, so products of several rows never run PyTorch's bf16 GEMM, which is very slow on CPUs
-    without bf16 units; a single row (a lone decode token) reads the half-size bf16 weight instead. A bf16 model's
-    forwards of several tokens run in fp32 from end to end (`Llama.wide_dtype`, set by `pack_weights`), so they
-    never convert between the two dtypes around each product."""
-    def __init__(self, weight, bias=None):
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.weight = nn.Parameter(weight.detach(), requires_grad=False)
-        # a bias (chapter 12a's families have some) is added by the same call, in fp32 for the packed product
-        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        self.bias32 = None if bias is None else bias.detach().float()
-        # the row-count hint picks oneDNN's blocking; 64 beat 1, 4, 64 and 512 rows on the course machine
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().float(), 64)
-    def forward(self, x):
-        if x.dtype == torch.float32:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias32, "none", [], "")
-        if x.shape[0] == 1: return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x.float(), self.packed, self.bias32, "none", [], "").to(x.dtype)
-
-def can_pack(dtype, device):
-    "Whether `pack_weights` applies: float32 or bfloat16 weights on a CPU with oneDNN."
-    dtype = str(dtype).removeprefix("torch.")
-    return dtype in ("float32", "bfloat16") and str(device) == "cpu" and torch.backends.mkldnn.is_available()
-
-def pack_weights(model):
-    """Replace every projection and the LM head by a `PackedLinear`, in place (a tied LM head still shares its weight).
-    A bf16 model then runs forwards of several tokens in fp32 activations (`wide_dtype`): its packed copies are fp32,
-    and on a CPU without bf16 units PyTorch's bf16 attention and conversions cost more than the fp32 arithmetic."""
-    if not can_pack(model.dtype, model.device):
-        raise ValueError(f"packed weights need float32 or bfloat16 on a CPU with oneDNN; this model is {model.dtype} "
-                         f"on {model.device}")
-    for module in list(model.modules()):  # every nn.Linear: the projections (experts' are not Linears) and LM head
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear): setattr(module, name, PackedLinear(child.weight, child.bias))
-    if model.cfg.tie_word_embeddings: model.lm_head.weight = model.embed_tokens.weight  # still one tensor
-    if model.dtype == torch.bfloat16: model.wide_dtype = torch.float32
-    return model
-
-# %% ../nbs/00a_model.ipynb #a0a0f002
 @dataclass(frozen=True)
 class WeightFormat:
     """One way to hold a model's projection weights. `load(folder, dtype, device)` -> `Llama`; `bits(dtype)`: bits a
@@ -796,14 +753,9 @@ def register_weight_format(fmt):
     "Add an entry to `WEIGHT_FORMATS` under its name; a chapter that brings a new format calls this."
     return WEIGHT_FORMATS.register(fmt.name, fmt)
 
-def _dtype_bits(dtype): return 8 * DTYPES[dtype].itemsize
+def _dtype_bits(dtype):
+    return 8 * DTYPES[dtype].itemsize
 
 register_weight_format(WeightFormat(
     "plain", load=lambda folder, dtype, device: load_model(folder, dtype, device), bits=_dtype_bits,
     about="the Hugging Face [out, in] matrices in the model's dtype, multiplied by nn.Linear (chapter 00a)"))
-register_weight_format(WeightFormat(
-    "packed", load=lambda folder, dtype, device: pack_weights(load_model(folder, dtype, device)), bits=_dtype_bits,
-    refuses=lambda dtype, device: None if can_pack(dtype, device) else
-        f"weights='packed' needs dtype 'float32' or 'bfloat16' on device='cpu' with oneDNN "
-        f"(got {dtype!r} on {device!r})",
-    about="plain matrices + oneDNN-packed fp32 copies for products (chapter 00a); decode reads the plain ones"))
