@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 from minfer.engine import EngineConfig, build_model, build_engine, serve, usable_cores
 from minfer.disagg import DisaggEngine
-from minfer.model import Tokenizer, data_dir
+from minfer.model import data_dir
+from minfer.tokenizer import Tokenizer
 
 
 def workload(tok, n, rate, seed, long_every=4, long_len=(384, 512), short_median=32, out=(32, 64)):

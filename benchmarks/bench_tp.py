@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import minfer.tp
 from minfer import LLM, SamplingParams
-from minfer.model import PackedLinear
+from minfer.roofline import PackedLinear
 from minfer.roofline import measure_bandwidth
 from minfer.tp import tp_bytes_per_token
 

@@ -25,10 +25,11 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from .model import (DTYPES, QUANT_METHODS, Llama, ModelConfig, NoCache, PackedCausal, PackedLinear,
-                          Registry, Tokenizer, WeightFormat, can_pack, data_dir,
+from .model import (DTYPES, QUANT_METHODS, Llama, ModelConfig, NoCache, PackedCausal,
+                          Registry, WeightFormat, data_dir,
                           check_model_folder, load_model, register_weight_format, make_rope, check_behaviours)
-from .roofline import DTYPE_BYTES, param_counts
+from .roofline import DTYPE_BYTES, PackedLinear, can_pack, param_counts
+from .tokenizer import Tokenizer
 from .cli import COMMANDS, Command
 from .llm import VLLM_ARGUMENTS
 
@@ -511,7 +512,7 @@ def load_projections(folder, dtype, device, projection, fuse, path):
     if cfg.tie_word_embeddings: model.lm_head.weight = model.embed_tokens.weight
     model = make_rope(model).to(device).eval().requires_grad_(False)
     if model.dtype == torch.bfloat16 and can_pack(dtype, device):
-        # as chapter 00a's `pack_weights` does for a dense bf16 model: steps of several rows run in fp32 activations
+        # as chapter 00b's `pack_weights` does for a dense bf16 model: steps of several rows run in fp32 activations
         # (bf16 attention and conversions cost more than fp32 arithmetic on a CPU), their projections by
         # the format's CPU kernel, which takes fp32 rows as well, and their LM head by oneDNN's packed fp32 copy
         model.lm_head = PackedLinear(model.lm_head.weight)

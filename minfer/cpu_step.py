@@ -358,7 +358,7 @@ def fuse_decode_step(model):
         raise ValueError(f"the one-call decode step needs float32 or bfloat16 on a CPU with a C++ compiler and "
                          f"OpenMP; this model is {model.dtype} on {model.device}")
     check_behaviours(model.cfg, STEP_PATH, "the one-call decode step (kernels='step')")
-    # plain [out, in] matrices in the model's dtype: nn.Linear's, or those 00a's PackedLinear keeps beside its copy
+    # plain [out, in] matrices in the model's dtype: nn.Linear's, or those 00b's PackedLinear keeps beside its copy
     projections = [p for l in model.layers
                    for p in (l.self_attn.qkv_proj, l.self_attn.o_proj, l.mlp.gate_up_proj, l.mlp.down_proj)]
     def plain(p):

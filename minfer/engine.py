@@ -454,7 +454,7 @@ for switch in [
                auto=lambda c: ["cuda", "cpu"] if torch.cuda.is_available() else ["cpu"]),
         Switch("dtype", "auto", "weights' dtype: auto = bfloat16 on CUDA, float32 on a CPU", ("auto", *DTYPES),
                auto=_dtype_candidates),
-        Switch("weights", "auto", "weight format (ch. 00a, 08): auto = the folder's own format, packed on a CPU",
+        Switch("weights", "auto", "weight format (ch. 00a, 00b, 08): auto = the folder's own format, packed on a CPU",
                lambda: ("auto", *WEIGHT_FORMATS), auto=lambda c: _stored_formats(c.model) or ["packed", "plain"]),
         Switch("kernels", "auto", "ops around the matvecs: torch (ch. 00a), cpu (05b), step (05c); auto: fastest",
                ("auto", "torch", "cpu", "step"), auto=lambda c: ["step", "cpu", "torch"]),

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 from fastcore.basics import patch
 from tqdm.auto import tqdm
-from .model import ModelConfig, Registry, Tokenizer
+from .model import ModelConfig, Registry
+from .tokenizer import Tokenizer
 from .sequence import SamplingParams, Sequence
 from .sampling import LOGITS_PROCESSORS
 from .engine import SWITCHES, EngineConfig, build_model, build_engine, worker_engine

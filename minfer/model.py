@@ -10,14 +10,13 @@ __all__ = ['DTYPES', 'GGUF_PACKAGE', 'GGUF_FILE', 'MODEL_FAMILIES', 'ROPE_SCALIN
            'definition', 'unpermute_rope', 'find_default_gguf', 'convert_gguf', 'source_root', 'data_dir',
            'default_model_dir', 'RopeSpec', 'ModelConfig', 'check_model_folder', 'Family', 'rope_inv_freq',
            'check_rope_type', 'rope_spec', 'refuse_unsupported', 'describe_llama', 'Behaviour', 'runs_behaviours',
-           'refused_behaviours', 'check_behaviours', 'Tokenizer', 'compiled_chat_template', 'sandboxed_jinja',
-           'RMSNorm', 'RotaryEmbedding', 'Attention', 'MLP', 'MLPSpec', 'layer_mlp', 'DecoderLayer', 'Llama',
-           'rope_module', 'make_rope', 'load_model', 'read_checkpoint', 'checkpoint_params', 'AttentionVariant',
-           'attend', 'NoCache', 'PackedCausal', 'PackedLinear', 'can_pack', 'pack_weights', 'WeightFormat',
+           'refused_behaviours', 'check_behaviours', 'RMSNorm', 'RotaryEmbedding', 'Attention', 'MLP', 'MLPSpec',
+           'layer_mlp', 'DecoderLayer', 'Llama', 'rope_module', 'make_rope', 'load_model', 'read_checkpoint',
+           'checkpoint_params', 'AttentionVariant', 'attend', 'NoCache', 'PackedCausal', 'WeightFormat',
            'register_weight_format']
 
 # %% ../nbs/00a_model.ipynb #afc2d4da
-import collections.abc, dataclasses, datetime, functools, importlib.util, json, math, os, re
+import collections.abc, dataclasses, functools, importlib.util, json, math, os, re
 from dataclasses import dataclass
 from typing import Callable
 from pathlib import Path
@@ -26,7 +25,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
-import jinja2, jinja2.ext, jinja2.sandbox
 
 # %% ../nbs/00a_model.ipynb #806ca6cc
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -414,109 +412,13 @@ BEHAVIOURS.update(
     mlp_bias=Behaviour(lambda cfg: cfg.mlp_bias, "biases on the MLP's projections"),
     hidden_act=Behaviour(lambda cfg: cfg.hidden_act != "silu", "an MLP gate other than SiLU"))
 
-# %% ../nbs/00a_model.ipynb #41bb68fd
-class Tokenizer:
-    "Text <-> token ids, special tokens and the chat template of a model folder."
-    def __init__(self, folder):
-        from tokenizers import Tokenizer as _Tok
-        folder = Path(folder)
-        self.tok = _Tok.from_file(str(folder / "tokenizer.json"))
-        cfg_path = folder / "tokenizer_config.json"
-        self.config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
-        tmpl = folder / "chat_template.jinja"
-        self.chat_template = self.config.get("chat_template") or (tmpl.read_text() if tmpl.exists() else None)
-        token = lambda v: v.get("content") if isinstance(v, dict) else v
-        self.eos_token, self.bos_token = token(self.config.get("eos_token")), token(self.config.get("bos_token"))
-        self.eos_token_id = self.tok.token_to_id(self.eos_token) if self.eos_token else None
-        self.add_bos = bool(self.config.get("add_bos_token", False)) and self.bos_token is not None
-        # the special tokens a template may name, as transformers passes them (bos_token, eos_token, ...)
-        names = ("bos_token", "eos_token", "unk_token", "pad_token")
-        self.special_tokens = {n: token(self.config[n]) for n in names if token(self.config.get(n)) is not None}
-
-    @property
-    def vocab_size(self): return self.tok.get_vocab_size()
-
-    def encode(self, text):
-        ids = self.tok.encode(text, add_special_tokens=False).ids
-        return [self.tok.token_to_id(self.bos_token)] + ids if self.add_bos else ids
-
-    def decode(self, ids, skip_special_tokens=True): return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-    def apply_chat_template(self, messages, add_generation_prompt=True):
-        "Render a list of `{'role', 'content'}` messages to the prompt string the model was trained on."
-        if not self.chat_template:
-            raise ValueError("this model's tokenizer_config.json has no chat_template; use generate() with a plain "
-                             "prompt")
-        try:
-            template = compiled_chat_template(self.chat_template)
-            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                   **self.special_tokens)
-        except jinja2.exceptions.SecurityError as e:
-            raise ValueError(f"this model's chat template tried something the sandbox forbids ({e}); refused") from None
-        except jinja2.TemplateError as e:  # the template's own raise_exception("..."), or a render error
-            raise ValueError(f"the chat template refused this conversation: {e}") from None
-
-class _GenerationTag(jinja2.ext.Extension):
-    "`{% generation %}...{% endgeneration %}`, which templates use to mark the assistant's text: renders its body."
-    tags = {"generation"}
-
-    def parse(self, parser):
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-    def _body(self, caller):
-        return caller()
-
-class _Namespace(jinja2.utils.Namespace):
-    "Jinja's `namespace()`, refusing names that start with an underscore (a way towards Python's internals)."
-    def __init__(*args, **kwargs):
-        self, attrs = args[0], dict(*args[1:], **kwargs)
-        for name in attrs:
-            _Namespace._check(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name, value):
-        _Namespace._check(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check(name):
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} starts with an underscore")
-
-@functools.lru_cache(maxsize=16)
-def compiled_chat_template(source):
-    "A chat template compiled once in the sandbox (`sandboxed_jinja`); one that does not compile is refused in one line."
-    try:
-        return sandboxed_jinja().from_string(source)
-    except jinja2.TemplateSyntaxError as e:
-        raise ValueError(f"this model's chat template does not compile (line {e.lineno}: {e.message})") from None
-
-def sandboxed_jinja():
-    """The Jinja environment chat templates render in: jinja2's `ImmutableSandboxedEnvironment` (no access to Python's
-    internals, no mutation of what it is given) with the helpers transformers gives templates, so a template renders
-    byte for byte as `apply_chat_template` renders it there."""
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        # not Jinja's own `tojson`, which escapes HTML characters
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-    def strftime_now(format):
-        return datetime.datetime.now().strftime(format)
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, namespace=_Namespace)
-    return env
-
 # %% ../nbs/00a_model.ipynb #7de69805
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
         self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
     def forward(self, x):
-        # fp32 activations: fp32 throughout (bf16 weights meet fp32 activations in packed models' wide steps, below)
+        # fp32 activations: fp32 throughout (packed bf16 models' wide steps, chapter 00b)
         if x.dtype == torch.float32: return F.rms_norm(x, x.shape[-1:], self.weight.float(), self.eps)
         # normalise in fp32 even for bf16 weights, as the reference implementation does
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
@@ -675,7 +577,7 @@ class Llama(nn.Module):
     @property
     def device(self): return self.embed_tokens.weight.device
 
-    # the activations' dtype in forwards of more than one token; None: the weights' (`pack_weights` sets fp32 for bf16)
+    # the activations' dtype in forwards of more than one token; None: the weights' (00b's packed bf16: fp32)
     wide_dtype = None
 
     def rope_tables(self, positions, dtype, attention=None):
@@ -823,49 +725,6 @@ class PackedCausal:
         return self.join(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
 
 # %% ../nbs/00a_model.ipynb #c15bace6
-class PackedLinear(nn.Module):
-    """y = x Wᵀ (+ b) for a weight W [out, in], multiplied by oneDNN from a copy it has reordered, once, into its
-    own blocked fp32 layout: the same product as `F.linear`, streamed faster by oneDNN's CPU kernels. `weight` (the
-    plain matrix, in the model's dtype) is kept: 05c's one-call decode step reads it. bf16 weights are widened to
-    fp32 for the packed copy, so products of several rows never run PyTorch's bf16 GEMM, which is very slow on CPUs
-    without bf16 units; a single row (a lone decode token) reads the half-size bf16 weight instead. A bf16 model's
-    forwards of several tokens run in fp32 from end to end (`Llama.wide_dtype`, set by `pack_weights`), so they
-    never convert between the two dtypes around each product."""
-    def __init__(self, weight, bias=None):
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.weight = nn.Parameter(weight.detach(), requires_grad=False)
-        # a bias (chapter 12a's families have some) is added by the same call, in fp32 for the packed product
-        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        self.bias32 = None if bias is None else bias.detach().float()
-        # the row-count hint picks oneDNN's blocking; 64 beat 1, 4, 64 and 512 rows on the course machine
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().float(), 64)
-    def forward(self, x):
-        if x.dtype == torch.float32:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias32, "none", [], "")
-        if x.shape[0] == 1: return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x.float(), self.packed, self.bias32, "none", [], "").to(x.dtype)
-
-def can_pack(dtype, device):
-    "Whether `pack_weights` applies: float32 or bfloat16 weights on a CPU with oneDNN."
-    dtype = str(dtype).removeprefix("torch.")
-    return dtype in ("float32", "bfloat16") and str(device) == "cpu" and torch.backends.mkldnn.is_available()
-
-def pack_weights(model):
-    """Replace every projection and the LM head by a `PackedLinear`, in place (a tied LM head still shares its weight).
-    A bf16 model then runs forwards of several tokens in fp32 activations (`wide_dtype`): its packed copies are fp32,
-    and on a CPU without bf16 units PyTorch's bf16 attention and conversions cost more than the fp32 arithmetic."""
-    if not can_pack(model.dtype, model.device):
-        raise ValueError(f"packed weights need float32 or bfloat16 on a CPU with oneDNN; this model is {model.dtype} "
-                         f"on {model.device}")
-    for module in list(model.modules()):  # every nn.Linear: the projections (experts' are not Linears) and LM head
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear): setattr(module, name, PackedLinear(child.weight, child.bias))
-    if model.cfg.tie_word_embeddings: model.lm_head.weight = model.embed_tokens.weight  # still one tensor
-    if model.dtype == torch.bfloat16: model.wide_dtype = torch.float32
-    return model
-
-# %% ../nbs/00a_model.ipynb #a0a0f002
 @dataclass(frozen=True)
 class WeightFormat:
     """One way to hold a model's projection weights. `load(folder, dtype, device)` -> `Llama`; `bits(dtype)`: bits a
@@ -894,14 +753,9 @@ def register_weight_format(fmt):
     "Add an entry to `WEIGHT_FORMATS` under its name; a chapter that brings a new format calls this."
     return WEIGHT_FORMATS.register(fmt.name, fmt)
 
-def _dtype_bits(dtype): return 8 * DTYPES[dtype].itemsize
+def _dtype_bits(dtype):
+    return 8 * DTYPES[dtype].itemsize
 
 register_weight_format(WeightFormat(
     "plain", load=lambda folder, dtype, device: load_model(folder, dtype, device), bits=_dtype_bits,
     about="the Hugging Face [out, in] matrices in the model's dtype, multiplied by nn.Linear (chapter 00a)"))
-register_weight_format(WeightFormat(
-    "packed", load=lambda folder, dtype, device: pack_weights(load_model(folder, dtype, device)), bits=_dtype_bits,
-    refuses=lambda dtype, device: None if can_pack(dtype, device) else
-        f"weights='packed' needs dtype 'float32' or 'bfloat16' on device='cpu' with oneDNN "
-        f"(got {dtype!r} on {device!r})",
-    about="plain matrices + oneDNN-packed fp32 copies for products (chapter 00a); decode reads the plain ones"))

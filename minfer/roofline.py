@@ -6,10 +6,10 @@ Docs: https://minfer.github.io/minfer/roofline.html.md"""
 
 # %% auto #0
 __all__ = ['DTYPE_BYTES', 'DTYPE_PEAKS', 'DEVICES', 'MODELS', 'BATCHES', 'CONTEXTS', 'param_counts', 'weight_bytes_per_step',
-           'kv_bytes_per_token', 'decode_bytes_per_token', 'flops_per_token', 'measure_bandwidth',
-           'measure_matmul_flops', 'measure_matvec_bandwidth', 'plot_roofline', 'Device', 'measured_device',
-           'DecodeBound', 'decode_roofline', 'plot_decode_roofline', 'roofline_explorer', 'Ledger', 'scoreboard_path',
-           'ScorePoint', 'Scoreboard']
+           'kv_bytes_per_token', 'decode_bytes_per_token', 'flops_per_token', 'PackedLinear', 'measure_bandwidth',
+           'measure_matmul_flops', 'measure_matvec_bandwidth', 'can_pack', 'pack_weights', 'plot_roofline', 'Device',
+           'measured_device', 'DecodeBound', 'decode_roofline', 'plot_decode_roofline', 'roofline_explorer', 'Ledger',
+           'scoreboard_path', 'ScorePoint', 'Scoreboard']
 
 # %% ../nbs/00b_roofline.ipynb #da42921a
 import time
@@ -66,6 +66,34 @@ def flops_per_token(cfg, context=0):
     return matmuls + attn
 
 # %% ../nbs/00b_roofline.ipynb #0214c56e
+import torch.nn as nn
+from .model import WEIGHT_FORMATS, WeightFormat, load_model, register_weight_format
+
+class PackedLinear(nn.Module):
+    """y = x Wᵀ (+ b) for a weight W [out, in], multiplied by oneDNN from a copy it has reordered, once, into its
+    own blocked fp32 layout: the same product as `F.linear`, streamed faster by oneDNN's CPU kernels. `weight` (the
+    plain matrix, in the model's dtype) is kept: 05c's one-call decode step reads it. bf16 weights are widened to
+    fp32 for the packed copy, so products of several rows never run PyTorch's bf16 GEMM, which is very slow on CPUs
+    without bf16 units; a single row (a lone decode token) reads the half-size bf16 weight instead. A bf16 model's
+    forwards of several tokens run in fp32 from end to end (`Llama.wide_dtype`, set by `pack_weights`), so they
+    never convert between the two dtypes around each product."""
+    def __init__(self, weight, bias=None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = nn.Parameter(weight.detach(), requires_grad=False)
+        # a bias (chapter 12a's families have some) is added by the same call, in fp32 for the packed product
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.bias32 = None if bias is None else bias.detach().float()
+        # the row-count hint picks oneDNN's blocking; 64 beat 1, 4, 64 and 512 rows on the course machine
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().float(), 64)
+    def forward(self, x):
+        if x.dtype == torch.float32:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias32, "none", [], "")
+        if x.shape[0] == 1:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x.float(), self.packed, self.bias32, "none", [], "").to(x.dtype)
+
+# %% ../nbs/00b_roofline.ipynb #939ca998
 def _median_time(fn, repeat=7, warmup=2):
     for _ in range(warmup): fn()
     ts = []
@@ -93,7 +121,6 @@ def measure_matvec_bandwidth(cfg, dtype="float32", device="cpu", packed=False, o
     """Bytes/s that one-token matrix-vector products reach on the model's own weight shapes (the practical decode ceiling).
     packed=False: `F.linear`, PyTorch's default; packed=True: oneDNN on pre-packed weights (`PackedLinear`, fp32 CPU);
     op: `op(w)` -> a function of x to measure instead (a later chapter's own matvec)."""
-    from minfer.model import PackedLinear
     dt, h = getattr(torch, dtype), cfg.hidden_size
     shapes = [((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim, h),
               (h, cfg.num_attention_heads * cfg.head_dim), (2 * cfg.intermediate_size, h), (h, cfg.intermediate_size)]
@@ -108,6 +135,38 @@ def measure_matvec_bandwidth(cfg, dtype="float32", device="cpu", packed=False, o
         sync()
     nbytes = sum(w.numel() * w.element_size() for w in mats)
     return nbytes / _median_time(step, repeat=9)
+
+# %% ../nbs/00b_roofline.ipynb #30078607
+def can_pack(dtype, device):
+    "Whether `pack_weights` applies: float32 or bfloat16 weights on a CPU with oneDNN."
+    dtype = str(dtype).removeprefix("torch.")
+    return dtype in ("float32", "bfloat16") and str(device) == "cpu" and torch.backends.mkldnn.is_available()
+
+def pack_weights(model):
+    """Replace every projection and the LM head by a `PackedLinear`, in place (a tied LM head still shares its weight).
+    A bf16 model then runs forwards of several tokens in fp32 activations (`wide_dtype`): its packed copies are fp32,
+    and on a CPU without bf16 units PyTorch's bf16 attention and conversions cost more than the fp32 arithmetic."""
+    if not can_pack(model.dtype, model.device):
+        raise ValueError(f"packed weights need float32 or bfloat16 on a CPU with oneDNN; this model is {model.dtype} "
+                         f"on {model.device}")
+    for module in list(model.modules()):  # every nn.Linear: the projections (experts' are not Linears) and LM head
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, name, PackedLinear(child.weight, child.bias))
+    if model.cfg.tie_word_embeddings:  # still one tensor
+        model.lm_head.weight = model.embed_tokens.weight
+    if model.dtype == torch.bfloat16:
+        model.wide_dtype = torch.float32
+    return model
+
+# %% ../nbs/00b_roofline.ipynb #e39b525b
+register_weight_format(WeightFormat(
+    "packed", load=lambda folder, dtype, device: pack_weights(load_model(folder, dtype, device)),
+    bits=WEIGHT_FORMATS["plain"].bits,  # a decode step streams the plain matrices: the same bits
+    refuses=lambda dtype, device: None if can_pack(dtype, device) else
+        f"weights='packed' needs dtype 'float32' or 'bfloat16' on device='cpu' with oneDNN "
+        f"(got {dtype!r} on {device!r})",
+    about="plain matrices + oneDNN-packed fp32 copies for products (chapter 00b); decode reads the plain ones"))
 
 # %% ../nbs/00b_roofline.ipynb #496832c1
 def plot_roofline(peak_flops, bandwidth, points=(), ax=None, title="roofline"):

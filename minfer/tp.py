@@ -18,7 +18,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from .model import ModelConfig, load_model, pack_weights
+from .model import ModelConfig, load_model
+from .roofline import pack_weights
 from .roofline import DTYPE_BYTES, kv_bytes_per_token, weight_bytes_per_step
 from .paged import attention_backend, kv_cache_from_budget
 from .engine import (SWITCHES, Switch, KERNELS, LLMEngine, ModelRunner, Rule, WORKER_ENGINES, engine_options,

@@ -50,7 +50,7 @@ def model(model_dir):
 
 @pytest.fixture(scope="session")
 def tokenizer(model_dir):
-    from minfer.model import Tokenizer
+    from minfer.tokenizer import Tokenizer
     return Tokenizer(model_dir)
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,8 @@ from hypothesis import given, settings, strategies as st
 
 from minfer.cpu_step import matvec, StepLlama, STEP_MAX_ROWS, fuse_decode_step, cpu_step_available
 from minfer.cpu_kernels import fuse_cpu_ops, CpuAttention, FUSED_MAX_ROWS
-from minfer.model import Llama, NoCache, load_model, pack_weights
+from minfer.model import Llama, NoCache, load_model
+from minfer.roofline import pack_weights
 from minfer.paged import PagedKVCache, PagedAttention, BlockTable, build_batch_meta
 from minfer.llm import LLM
 from minfer.sampling import SamplingParams

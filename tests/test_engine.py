@@ -233,7 +233,7 @@ def test_random_arrivals_and_aborts(model, tokenizer, data):
 def test_what_repr_says_is_what_runs(model_dir, switches):
     "Every resolved switch is visible in the objects that run: no switch is silently overridden (issue 13)."
     from minfer.paged import ATTENTION_BACKENDS
-    from minfer.model import PackedLinear
+    from minfer.roofline import PackedLinear
     from minfer.cpu_kernels import FusedDecoderLayer
     from minfer.cpu_step import StepLlama
     llm = LLM(model_dir, **switches)

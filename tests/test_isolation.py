@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from minfer.llm import LLM
-from minfer.model import Tokenizer
+from minfer.tokenizer import Tokenizer
 from minfer.sampling import SamplingParams, sample_next
 from minfer.sequence import Sequence
 

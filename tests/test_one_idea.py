@@ -16,6 +16,8 @@ PKG = ROOT / "minfer"
 # chapter (its notebook's number and name) -> the words of its idea, matched case-insensitively inside identifiers
 # and strings (a word with no "_" or space must match a whole part of a snake_case or dotted name)
 VOCABULARY = {
+    "00b_roofline": ["pack_weights", "PackedLinear", "can_pack"],
+    "00c_tokenizer": ["jinja", "sandbox", "apply_chat_template", "compiled_chat_template"],
     "05a_flash": ["triton", "flash"],
     "07d_chat": ["chat_page", "chat page"],
     "08_awq": ["awq", "int4", "pack_awq_int4", "group_size"],

@@ -24,7 +24,7 @@ def test_logits_match_transformers(model, tokenizer, hf_model, prompt):
 
 def test_packed_weights_match_transformers(model_dir, tokenizer, hf_model):
     "oneDNN-packed weights (LLM's default for fp32 on CPU) only reorder the sums: within 1e-3 of transformers, same argmax."
-    from minfer.model import can_pack, pack_weights
+    from minfer.roofline import can_pack, pack_weights
     if not can_pack("float32", "cpu"): pytest.skip("oneDNN is not available")
     packed, ids = pack_weights(load_model(model_dir)), tokenizer.encode(LONG)
     with torch.inference_mode(): ref = hf_model(torch.tensor([ids])).logits[0]
@@ -72,7 +72,7 @@ def test_packed_bf16_wide_steps_are_fp32_arithmetic_on_bf16_weights(model_dir, t
     logits minus that of fp32's top token within D = 12 (measured 11.6 and 5.5 on AMD EPYC, AVX-512, 8.9 and 4.2 on
     the AVX2 stand-in: position 0, the first token, carries the residual stream's largest values, which bf16 rounds
     most coarsely). fp32's top-2 gap there is 0.99, below D, so its argmax may differ."""
-    from minfer.model import can_pack, pack_weights
+    from minfer.roofline import can_pack, pack_weights
     if not can_pack("bfloat16", "cpu"): pytest.skip("oneDNN is not available")
     low = pack_weights(load_model(model_dir, "bfloat16"))
     widened = load_model(model_dir, "float32")

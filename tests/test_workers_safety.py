@@ -11,7 +11,7 @@ import psutil, pytest, torch
 import torch.distributed as dist
 from minfer.disagg import DisaggEngine, WorkerDied, free_port
 from minfer.engine import EngineConfig
-from minfer.model import Tokenizer
+from minfer.tokenizer import Tokenizer
 from minfer.sequence import SamplingParams, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
