@@ -1,4 +1,4 @@
-"""One learned logit per head joins every softmax row as a column with no value: a query may put its weight nowhere.
+"""A learned logit per head joins every softmax row as a column with no value behind it.
 
 Docs: https://minfer.github.io/minfer/sinks.html.md"""
 
@@ -13,25 +13,27 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from .model import (ATTENTION_MODULES, MLP_KINDS, MODEL_FAMILIES, BEHAVIOURS, Attention, Behaviour, Family,
-                          rope_spec)
+from .model import (ATTENTION_MODULES, MLP_KINDS, MODEL_FAMILIES, BEHAVIOURS, Attention,
+                          Behaviour, Family, rope_spec)
 from .families import FamilyAttention, layer_kinds, windows, tiny_random_model
 from .moe import Experts, MoE, expected_experts
 
 # %% ../nbs/12c_sinks.ipynb #4abc1778
 def sink_weights(s, sinks):
-    """Masked scores [..., heads, T, S] (-inf where a query does not see a key) and one logit per head [heads] ->
-    attention weights: each row's softmax with its head's logit as one more column, that column dropped (fp32)."""
+    """Masked scores [..., heads, T, S] (-inf where a query does not see a key) and one logit per
+    head [heads] -> attention weights: each row's softmax with its head's logit as one more
+    column, that column dropped (fp32)."""
     column = sinks.float().view(-1, 1, 1).expand(*s.shape[:-1], 1)
     return torch.softmax(torch.cat([s.float(), column], -1), -1)[..., :-1]
 
 # %% ../nbs/12c_sinks.ipynb #72d5f88f
 @dataclass(frozen=True)
 class SinkAttention(FamilyAttention):
-    """A layer's attention with a sink: `FamilyAttention` (a window, a soft-cap, or neither) whose softmax rows take
-    one more column, the logit of the query's head, read from `layer.sinks` ([heads]) as the layer runs."""
+    """A layer's attention with a sink: `FamilyAttention` (a window, a soft-cap, or neither) whose
+    softmax rows take one more column, the logit of the query's head, read from `layer.sinks`
+    ([heads]) as the layer runs."""
     layer: nn.Module | None = field(default=None, compare=False, repr=False)
-    changes_scores = True  # the weights are not a plain softmax: `attend` writes the scores out
+    changes_scores = True  # not a plain softmax: `attend` writes the scores out
 
     def scores(self, s):
         return s if self.softcap is None else super().scores(s)
@@ -40,8 +42,8 @@ class SinkAttention(FamilyAttention):
         return sink_weights(s, self.layer.sinks)
 
 class AttentionWithSinks(Attention):
-    """`Attention` with a learned sink logit per query head (`sinks`, a checkpoint tensor of its own); its layer's
-    `SinkAttention` (from `layer_attention`) reads them through this module."""
+    """`Attention` with a learned sink logit per query head (`sinks`, a checkpoint tensor of its
+    own); its layer's `SinkAttention` (from `layer_attention`) reads them through this module."""
     def __init__(self, cfg, layer=0):
         super().__init__(cfg, layer)
         self.sinks = nn.Parameter(torch.empty(self.n_q))
@@ -52,25 +54,28 @@ ATTENTION_MODULES.register("sinks", AttentionWithSinks)
 # %% ../nbs/12c_sinks.ipynb #40bd5c13
 @dataclass(frozen=True)
 class ClampedExperts(Experts):
-    """gpt-oss's mixture: `Experts` whose projections and router have biases, whose router softmaxes only the top k
-    logits, and whose gate is a SwiGLU clamped at `limit` with sigmoid gain `alpha`."""
+    """gpt-oss's mixture: `Experts` whose projections and router have biases, whose router
+    softmaxes only the top k logits, and whose gate is a SwiGLU clamped at `limit` with sigmoid
+    gain `alpha`."""
     alpha: float = 1.702
     limit: float = 7.0
     kind = "clamped_moe"
 
     def parameters(self, cfg):
         "`Experts`' count, and the router's bias and each expert's gate, up and down biases."
-        return super().parameters(cfg) + self.num_experts * (1 + 2 * self.width + cfg.hidden_size)
+        biases = self.num_experts * (1 + 2 * self.width + cfg.hidden_size)
+        return super().parameters(cfg) + biases
 
     def parameters_read(self, cfg, tokens):
-        "`Experts`' count, the router's bias, and the biases of the experts the step touches on average."
+        "`Experts`' count, the router's bias, and the biases of the experts the step touches."
         touched = expected_experts(self.num_experts, self.per_token, tokens)
         biases = self.num_experts + touched * (2 * self.width + cfg.hidden_size)
         return super().parameters_read(cfg, tokens) + biases
 
 class ClampedMoE(MoE):
-    """Chapter 12b's `MoE` (tokens grouped by expert, its routing renormalised over the top k) with gpt-oss's router
-    and experts: a router with a bias, experts with biases and the clamped SwiGLU of `ClampedExperts`."""
+    """Chapter 12b's `MoE` (tokens grouped by expert, its routing renormalised over the top k) with
+    gpt-oss's router and experts: a router with a bias, experts with biases and the clamped SwiGLU
+    of `ClampedExperts`."""
     def __init__(self, cfg, spec):
         super().__init__(cfg, spec)
         E, H, I = spec.num_experts, cfg.hidden_size, spec.width
@@ -81,34 +86,39 @@ class ClampedMoE(MoE):
         self.limit = spec.limit
 
     def checkpoint_tensors(self, prefix, take, names):
-        """The router, and the experts' stacked tensors transposed to `nn.Linear`'s [out, in], their gates and ups
-        (interleaved in the checkpoint: gate j at 2j, up j at 2j + 1) split into 12b's [gate; up]."""
+        """The router, and the experts' stacked tensors transposed to `nn.Linear`'s [out, in],
+        their gates and ups (interleaved in the checkpoint: gate j at 2j, up j at 2j + 1) split
+        into 12b's [gate; up]."""
         def gates_then_ups(t):  # along dim 1
             return torch.cat([t[:, 0::2], t[:, 1::2]], 1).contiguous()
         experts = prefix + "experts."
-        return {"router.weight": take(prefix + "router.weight"), "router.bias": take(prefix + "router.bias"),
+        return {"router.weight": take(prefix + "router.weight"),
+                "router.bias": take(prefix + "router.bias"),
                 "gate_up": gates_then_ups(take(experts + "gate_up_proj").transpose(1, 2)),
                 "gate_up_bias": gates_then_ups(take(experts + "gate_up_proj_bias")),
                 "down": take(experts + "down_proj").transpose(1, 2).contiguous(),
                 "down_bias": take(experts + "down_proj_bias")}
 
     def expert(self, e, x):
-        "Expert e on rows x: (clamp(up, -l, l) + 1) * g * sigmoid(alpha * g), g = min(gate, l), then down."
+        "Expert e on rows x: (clamp(up, -l, l) + 1) * g * sigmoid(alpha * g), g = min(gate, l)."
         gate, up = F.linear(x, self.gate_up[e], self.gate_up_bias[e]).chunk(2, -1)
         gate = gate.clamp(max=self.limit)
         up = up.clamp(-self.limit, self.limit)
-        return F.linear((up + 1) * gate * torch.sigmoid(self.alpha * gate), self.down[e], self.down_bias[e])
+        hidden = (up + 1) * gate * torch.sigmoid(self.alpha * gate)
+        return F.linear(hidden, self.down[e], self.down_bias[e])
 
 MLP_KINDS.register("clamped_moe", ClampedMoE)
 
 # %% ../nbs/12c_sinks.ipynb #d49dedd1
 def describe_gpt_oss(d):
-    """gpt-oss: q/k/v/o biases (`attention_bias`), sliding and full layers alternating (`layer_types`), YaRN RoPE,
-    a sink in every layer's softmax, and every MLP a `ClampedExperts` mixture."""
+    """gpt-oss: q/k/v/o biases (`attention_bias`), sliding and full layers alternating
+    (`layer_types`), YaRN RoPE, a sink in every layer's softmax, and every MLP a `ClampedExperts`
+    mixture (its top-k softmax is 12b's routing renormalised over the k)."""
     bias = bool(d.get("attention_bias", True))
     kinds = layer_kinds(d, lambda i: i % 2 == 0)
     spec = ClampedExperts(d["num_local_experts"], d["num_experts_per_tok"], d["intermediate_size"],
-                          norm_topk_prob=True, alpha=float(d.get("swiglu_alpha", 1.702)), limit=float(d.get("swiglu_limit", 7.0)))
+                          norm_topk_prob=True, alpha=float(d.get("swiglu_alpha", 1.702)),
+                          limit=float(d.get("swiglu_limit", 7.0)))
     return dict(rope=rope_spec(d), qkv_bias=bias, o_bias=bias, attention_module="sinks",
                 layer_attention=tuple(SinkAttention(w) for w in windows(d, kinds)),
                 layer_mlps=(spec,) * d["num_hidden_layers"])
@@ -118,16 +128,19 @@ def sink_layers(cfg):
     return tuple(i for i, a in enumerate(cfg.layer_attention) if isinstance(a, SinkAttention))
 
 BEHAVIOURS.update(
-    sinks=Behaviour(lambda cfg: bool(sink_layers(cfg)), "a learned sink logit in every softmax row"),
-    clamped_experts=Behaviour(lambda cfg: any(isinstance(s, ClampedExperts) for s in cfg.layer_mlps),
-                              "experts with biases and a clamped SwiGLU, routed by a softmax over the top k"))
+    sinks=Behaviour(lambda cfg: bool(sink_layers(cfg)), "a learned sink in every softmax row"),
+    clamped_experts=Behaviour(
+        lambda cfg: any(isinstance(s, ClampedExperts) for s in cfg.layer_mlps),
+        "experts with biases and a clamped SwiGLU, routed by a softmax over the top k"))
 
 MODEL_FAMILIES.register("gpt_oss", Family(
-    describe_gpt_oss, about="gpt-oss (20B, 120B): attention sinks, alternating windows, clamped-SwiGLU experts"))
+    describe_gpt_oss,
+    about="gpt-oss (20B, 120B): attention sinks, alternating windows, clamped-SwiGLU experts"))
 
 def tiny_gpt_oss(folder, seed=0, sink_scale=2.0, **config):
-    """Chapter 12a's `tiny_random_model` for gpt-oss, its sinks redrawn with standard deviation `sink_scale` (the
-    default draw, 0.3, barely moves a softmax) and saved again; -> the transformers model (fp32, eval)."""
+    """Chapter 12a's `tiny_random_model` for gpt-oss, its sinks redrawn with standard deviation
+    `sink_scale` (the default draw, 0.3, barely moves a softmax) and saved again; -> the
+    transformers model (fp32, eval)."""
     from pathlib import Path
     from safetensors.torch import load_file, save_file
     ref = tiny_random_model("gpt_oss", folder, seed, **config)
@@ -136,7 +149,8 @@ def tiny_gpt_oss(folder, seed=0, sink_scale=2.0, **config):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for i, layer in enumerate(ref.model.layers):
-            layer.self_attn.sinks.copy_(sink_scale * torch.randn(layer.self_attn.sinks.shape, generator=g))
-            tensors[f"model.layers.{i}.self_attn.sinks"] = layer.self_attn.sinks.detach().clone()
+            sinks = layer.self_attn.sinks
+            sinks.copy_(sink_scale * torch.randn(sinks.shape, generator=g))
+            tensors[f"model.layers.{i}.self_attn.sinks"] = sinks.detach().clone()
     save_file(tensors, path, metadata={"format": "pt"})
     return ref

@@ -136,8 +136,8 @@ def test_through_llm_equal_transformers(tiny, switches):
     assert len(ids) >= 48
     with torch.inference_mode():
         theirs = torch.log_softmax(ref(torch.tensor([ids])).logits[0].float(), -1)
-    err = max(abs(entry[t] - theirs[i, t].item()) for i, (entry, t) in enumerate(zip(outs[0].prompt_logprobs[1:],
-                                                                                     ids[1:])))
+    entries = outs[0].prompt_logprobs[1:]  # row i predicts token i + 1
+    err = max(abs(e[t] - theirs[i, t].item()) for i, (e, t) in enumerate(zip(entries, ids[1:])))
     assert err < 1e-4, f"{switches}: prompt log-probabilities off by {err:.2e}"
 
 
