@@ -664,8 +664,9 @@ def checkpoint_params(model, sd, folder):
 class AttentionVariant:
     """How one layer's attention departs from plain causal attention (a plain layer has None in `layer_attention`):
     a query at position p sees the keys from `first_key(p)` to p, and where `changes_scores`, `scores` changes its
-    scaled scores before the mask and the softmax. Every attention path takes a layer's variant and, for such a
-    layer, reads only the keys from `first_key` on and attends through `attend`. Chapter 12a's families subclass it."""
+    scaled scores before the mask and `weights` turns the masked scores into attention weights. Every attention path
+    takes a layer's variant and, for such a layer, reads only the keys from `first_key` on and attends through
+    `attend`. Chapter 12a's families subclass it."""
     changes_scores = False
 
     def first_key(self, position):
@@ -675,6 +676,10 @@ class AttentionVariant:
     def scores(self, s):
         "Scores [..., T, S] (q . k, scaled) -> the scores the softmax reads."
         return s
+
+    def weights(self, s):
+        "Masked scores [1, heads, T, S] (-inf where a query does not see a key) -> attention weights, in fp32."
+        return torch.softmax(s, -1, dtype=torch.float32)
 
 def attend(q, k, v, variant=None, key_start=0):
     """Causal attention of the last T = q.shape[0] positions of one sequence. q: [T, Hq, D]; k, v: [S, Hkv, D], S >= T,
@@ -694,7 +699,7 @@ def attend(q, k, v, variant=None, key_start=0):
     else:  # SDPA takes no function of the scores: the scores written out, as transformers' eager attention does
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
         s = variant.scores((q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5)
-        o = torch.softmax(s.masked_fill(~mask, float("-inf")), -1, dtype=torch.float32).to(q.dtype) @ v
+        o = variant.weights(s.masked_fill(~mask, float("-inf"))).to(q.dtype) @ v
     return o[0].transpose(0, 1)
 
 class NoCache:

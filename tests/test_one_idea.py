@@ -37,6 +37,7 @@ VOCABULARY = {
     "12a_families": ["soft_cap", "softcap", "sliding", "window", "qk_norm", "longrope", "partial_rotary", "gemma",
                      "qwen", "phi3", "mistral", "smollm3", "rope_lens"],
     "12b_moe": ["expert", "moe_layers", "mixture"],
+    "12c_sinks": ["sink", "gpt_oss", "clamped_moe", "ClampedExperts", "ClampedMoE", "swiglu"],
     "13_tp": ["tensor_parallel", "all_reduce", "vocab_parallel"],
     "14_structured": ["structured_output", "constraint", "grammar", "jump_forward", "json_schema", "llguidance"],
 }
