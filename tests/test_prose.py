@@ -74,8 +74,6 @@ SUMMARY_WORDS = 120  # a summary a student reads in half a minute: the idea, the
 SUMMARY_EXEMPT = {
     "07b_serve",  # 166 words
     "07d_chat",  # no summary
-    "12a_families",  # no summary
-    "12b_moe",  # 135 words
 }
 
 
