@@ -32,19 +32,16 @@ def tiny_random_model(model_type, folder, seed=0, **config):
     to `folder` with the default model's tokenizer; -> the transformers model (fp32, eval). Nothing is downloaded."""
     import shutil, transformers
     from transformers.utils import logging as hf_logging
-    cls = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma2": "Gemma2",
-           "gemma3_text": "Gemma3", "phi3": "Phi3", "smollm3": "SmolLM3", "qwen3_moe": "Qwen3Moe",
-           "mixtral": "Mixtral"}[model_type]
-    cfg_cls = getattr(transformers, "Gemma3TextConfig" if model_type == "gemma3_text" else cls + "Config")
     tok_dir = default_model_dir()
     vocab = json.loads((tok_dir / "config.json").read_text())["vocab_size"]
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()  # quiet: no bars, no advice on old keys
     try:
-        cfg = cfg_cls(**{**TINY, "vocab_size": vocab, **config})
+        # transformers' own table from model_type to classes: any family it knows builds here
+        cfg = transformers.AutoConfig.for_model(model_type, **{**TINY, "vocab_size": vocab, **config})
         torch.manual_seed(seed)
-        model = getattr(transformers, cls + "ForCausalLM")(cfg).float().eval()
+        model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if p.dim() == 1: p.copy_((1.0 if "norm" in name else 0.0) + 0.3 * torch.randn_like(p))

@@ -35,6 +35,8 @@ VOCABULARY = {
     "12a_families": ["soft_cap", "softcap", "sliding", "window", "qk_norm", "longrope", "partial_rotary", "gemma",
                      "qwen", "phi3", "mistral", "smollm3", "rope_lens"],
     "12b_moe": ["expert", "moe_layers", "mixture"],
+    "12d_mla": ["latent", "deepseek", "kv_lora", "lora_rank", "absorb", "nope_head", "rope_head_dim",
+                "e_score_correction", "group_limited"],
     "13_tp": ["tensor_parallel", "all_reduce", "vocab_parallel"],
     "14_structured": ["structured_output", "constraint", "grammar", "jump_forward", "json_schema", "llguidance"],
 }
