@@ -150,3 +150,12 @@ def test_the_one_call_step_refuses_latent_attention(tiny):
     with pytest.raises(ValueError, match="latent_attention"):
         with LLM(str(folder), dtype="float32", kernels="step"):
             pass
+
+
+def test_deepseek_v2_is_refused_in_one_line(tiny):
+    "transformers' DeepSeek-V2 routes by softmax with other top-k methods and turns RoPE as complex numbers: not run."
+    import json
+    d = json.loads((tiny("yarn, query bottleneck, experts")[0] / "config.json").read_text())
+    with pytest.raises(ValueError, match="model_type='deepseek_v2' is not supported") as e:
+        ModelConfig.from_config({**d, "model_type": "deepseek_v2"})
+    assert "\n" not in str(e.value)
