@@ -159,3 +159,12 @@ def test_deepseek_v2_is_refused_in_one_line(tiny):
     with pytest.raises(ValueError, match="model_type='deepseek_v2' is not supported") as e:
         ModelConfig.from_config({**d, "model_type": "deepseek_v2"})
     assert "\n" not in str(e.value)
+
+
+def test_a_config_without_the_latent_numbers_is_refused_in_one_line(tiny):
+    import json
+    d = json.loads((tiny("yarn, query bottleneck, experts")[0] / "config.json").read_text())
+    del d["kv_lora_rank"], d["v_head_dim"]
+    with pytest.raises(ValueError, match="lacks kv_lora_rank, v_head_dim") as e:
+        ModelConfig.from_config(d)
+    assert "\n" not in str(e.value)
