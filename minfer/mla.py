@@ -1,4 +1,4 @@
-"""DeepSeek's attention caches one compressed latent per token and decompresses each head's keys and values from it; folded into the query and the output, decode reads the latents themselves.
+"""DeepSeek caches one latent per token, not K and V per head; absorbed, decode reads the latents.
 
 Docs: https://minfer.github.io/minfer/mla.html.md"""
 

@@ -1,10 +1,12 @@
-"""Chapter 12d: DeepSeek-V3's multi-head latent attention and group-limited experts, equal to transformers.
+"""Chapter 12d: DeepSeek-V3's multi-head latent attention and group-limited experts, equal to
+transformers.
 
-No download: tiny DeepSeek-V3 models built by transformers in the test (`tiny_random_model`, every weight
-re-randomised, the routers' correction biases too), in configs where each feature bites: a latent narrower than the
-heads' keys and values together, a query bottleneck (and none), a RoPE part with YaRN scaling whose original context is
-shorter than the prompt, values narrower than keys, a dense first layer then experts in groups. References:
-transformers' forward in fp32 (prompt log-probabilities within 1e-4 over 48 tokens) and its greedy `generate`.
+No download: tiny DeepSeek-V3 models built by transformers in the test (`tiny_random_model`,
+every weight re-randomised, the routers' correction biases too), in configs where each feature
+bites: a latent narrower than the heads' keys and values together, a query bottleneck (and
+none), a RoPE part with YaRN scaling whose original context is shorter than the prompt, values
+narrower than keys, a dense first layer then experts in groups. References: transformers'
+forward in fp32 (prompt log-probabilities within 1e-4 over 48 tokens) and its greedy `generate`.
 """
 from dataclasses import replace
 import pytest, torch
@@ -16,12 +18,13 @@ from minfer.roofline import kv_bytes_per_token
 from minfer.llm import LLM
 from minfer.sequence import SamplingParams
 
-BASE = dict(num_key_value_heads=4, head_dim=8, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
-            kv_lora_rank=32, q_lora_rank=24, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2,
-            moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
-            num_mtp_layers=0,
+BASE = dict(num_key_value_heads=4, head_dim=8, qk_nope_head_dim=16, qk_rope_head_dim=8,
+            v_head_dim=12, kv_lora_rank=32, q_lora_rank=24, n_routed_experts=8, n_group=4,
+            topk_group=2, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+            first_k_dense_replace=1, routed_scaling_factor=2.5, num_mtp_layers=0,
             rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
-                                 original_max_position_embeddings=16, mscale=1.0, mscale_all_dim=0.7))
+                                 original_max_position_embeddings=16, mscale=1.0,
+                                 mscale_all_dim=0.7))
 CASES = {
     "yarn, query bottleneck, experts": {},
     "no query bottleneck, plain rope, halves": dict(
@@ -30,9 +33,9 @@ CASES = {
     "all dense, values wider than keys": dict(first_k_dense_replace=4, v_head_dim=28),
 }
 IDS = torch.randint(3, 2000, (48,), generator=torch.Generator().manual_seed(0))
-LONG = ("The three primary colors are red, yellow and blue, and every other colour a painter mixes comes from "
-        "them: orange from red and yellow, green from yellow and blue, purple from blue and red. Light mixes "
-        "the other way, and its primaries are red, green and blue.")
+LONG = ("The three primary colors are red, yellow and blue, and every other colour a painter "
+        "mixes comes from them: orange from red and yellow, green from yellow and blue, purple "
+        "from blue and red. Light mixes the other way, and its primaries are red, green and blue.")
 PROMPTS = [LONG, "Paris is", "def fibonacci(n):\n    if n < 2:\n        return n\n    return"]
 
 
@@ -78,7 +81,8 @@ def test_the_configs_make_each_feature_bite(tiny):
     assert spec.kv_lora_rank < cfg.num_attention_heads * (spec.qk_head_dim + spec.v_head_dim)
     assert spec.v_head_dim != spec.qk_head_dim and spec.q_lora_rank and spec.qk_rope_head_dim > 0
     assert cfg.rope.rope_type == "yarn" and cfg.rope.original_max_position_embeddings < len(IDS)
-    assert cfg.layer_mlps[0] is None and all(isinstance(s, GroupLimitedExperts) for s in cfg.layer_mlps[1:])
+    assert cfg.layer_mlps[0] is None
+    assert all(isinstance(s, GroupLimitedExperts) for s in cfg.layer_mlps[1:])
     assert "latent_attention" in cfg.behaviours()
     dense = ModelConfig.from_folder(tiny("all dense, values wider than keys")[0])
     assert dense.layer_mlps == (None,) * dense.num_hidden_layers and dense.head_dim == 28
@@ -86,7 +90,7 @@ def test_the_configs_make_each_feature_bite(tiny):
 
 @pytest.mark.parametrize("broken", ["softmax scale", "rope layout", "correction bias"])
 def test_a_broken_piece_fails_the_comparison(tiny, broken):
-    "Each piece the comparison is meant to see, changed on purpose: the log-probabilities must move past 1e-4."
+    "Each piece the comparison must see, changed on purpose: the log-probs must move past 1e-4."
     folder, ref = tiny("yarn, query bottleneck, experts")
     model = load_model(folder)
     attn = model.layers[1].self_attn
@@ -101,10 +105,11 @@ def test_a_broken_piece_fails_the_comparison(tiny, broken):
 
 @pytest.mark.parametrize("case", CASES)
 def test_absorbed_path_equals_naive(tiny, case):
-    "The prompt in chunks through a `LatentCache`, then tokens one at a time, against one naive forward."
+    "The prompt in chunks through a `LatentCache`, then one token at a time, against naive."
     folder, _ = tiny(case)
     model = load_model(folder)
-    seq = torch.cat([IDS, torch.randint(3, 2000, (8,), generator=torch.Generator().manual_seed(1))])
+    more = torch.randint(3, 2000, (8,), generator=torch.Generator().manual_seed(1))
+    seq = torch.cat([IDS, more])
     cache, out, start = LatentCache(model.cfg.num_hidden_layers), [], 0
     with torch.inference_mode():
         for n in [20, 28] + [1] * 8:
@@ -124,12 +129,13 @@ def reference_greedy(ref, prompt_ids, n):
     return out[len(prompt_ids):].tolist()
 
 
-SWITCHES = {"default": {}, "torch, chunked prefill of 8 tokens": dict(kernels="torch", max_num_batched_tokens=8)}
+SWITCHES = {"default": {},
+            "torch, chunked prefill of 8 tokens": dict(kernels="torch", max_num_batched_tokens=8)}
 
 
 @pytest.mark.parametrize("switches", SWITCHES)
 def test_llm_matches_transformers(tiny, switches):
-    "Through `LLM(folder)` and the paged engine: greedy tokens and prompt log-probabilities as transformers'."
+    "Through `LLM(folder)`: greedy tokens and prompt log-probs as transformers'."
     folder, ref = tiny("yarn, query bottleneck, experts")
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
     with LLM(str(folder), dtype="float32", **SWITCHES[switches]) as llm:
@@ -153,7 +159,7 @@ def test_the_one_call_step_refuses_latent_attention(tiny):
 
 
 def test_deepseek_v2_is_refused_in_one_line(tiny):
-    "transformers' DeepSeek-V2 routes by softmax with other top-k methods and turns RoPE as complex numbers: not run."
+    "DeepSeek-V2 routes by softmax with other top-k methods and turns RoPE as complex numbers."
     import json
     d = json.loads((tiny("yarn, query bottleneck, experts")[0] / "config.json").read_text())
     with pytest.raises(ValueError, match="model_type='deepseek_v2' is not supported") as e:
