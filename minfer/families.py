@@ -38,6 +38,7 @@ def tiny_random_model(model_type, folder, seed=0, **config):
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()  # quiet: no bars, no advice on old keys
     try:
+        # transformers' own table from model_type to classes: any family it knows builds here
         cfg = transformers.AutoConfig.for_model(model_type, **{**TINY, "vocab_size": vocab, **config})
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()

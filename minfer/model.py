@@ -190,10 +190,11 @@ class RopeSpec:
     short_factor: tuple = ()
     long_factor: tuple = ()
     attention_factor: float | None = None
+    rotated: int | None = None  # the dimensions it turns where that is a number of its own, not the head's width
 
     def rotated_dims(self, head_dim):
-        "The dimensions of each head the table turns: all of them (chapter 12a's Phi turns part)."
-        return head_dim
+        "The dimensions of each head the table turns: `rotated`, else all of them (chapter 12a's Phi turns part)."
+        return head_dim if self.rotated is None else self.rotated
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -227,6 +228,7 @@ class ModelConfig:
     logits_transform: Callable | None = None  # a function the logits pass through last (chapter 12a's Gemma 2)
     query_scale: float | None = None    # attention's scale, where it is not head_dim ** -0.5 (Gemma)
     layer_mlps: tuple = ()              # per layer: None (the dense `MLP`) or another kind's `MLPSpec`
+    attention_spec: object = None       # the numbers an attention module of its own reads (plain: none)
 
     def __post_init__(self):
         # a frozen dataclass fills its defaults that depend on other fields through object.__setattr__

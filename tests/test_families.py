@@ -195,7 +195,7 @@ def test_a_parameter_nothing_fills_stops_the_loader(tiny, tmp_path):
     (dict(rope_scaling=dict(type="dynamic", factor=4.0)), "dynamic"),
     (dict(vision_config={}), "vision_config"),
     (dict(quantization_config=dict(quant_method="gptq", bits=4)), "gptq"),
-    (dict(model_type="deepseek_v3"), "deepseek_v3"),
+    (dict(model_type="deepseek_v2"), "deepseek_v2"),
     (dict(hidden_act="relu2"), "relu2"),
 ])
 def test_unsupported_is_refused_in_one_line(tiny, change, key):

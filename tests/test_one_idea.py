@@ -38,6 +38,8 @@ VOCABULARY = {
                      "qwen", "phi3", "mistral", "smollm3", "rope_lens"],
     "12b_moe": ["expert", "moe_layers", "mixture"],
     "12c_sinks": ["sink", "gpt_oss", "clamped_moe", "ClampedExperts", "ClampedMoE", "swiglu"],
+    "12d_mla": ["latent", "deepseek", "kv_lora", "lora_rank", "absorb", "nope_head", "rope_head_dim",
+                "e_score_correction", "group_limited"],
     "13_tp": ["tensor_parallel", "all_reduce", "vocab_parallel"],
     "14_structured": ["structured_output", "constraint", "grammar", "jump_forward", "json_schema", "llguidance"],
 }
