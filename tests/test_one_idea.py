@@ -17,7 +17,7 @@ PKG = ROOT / "minfer"
 # and strings (a word with no "_" or space must match a whole part of a snake_case or dotted name)
 VOCABULARY = {
     "05a_flash": ["triton", "flash"],
-    "07d_chat": ["chat_page", "chat page"],
+    "07e_chat": ["chat_page", "chat page"],
     "08_awq": ["awq", "int4", "pack_awq_int4", "group_size"],
     # 08a is the first to compute in int8 (its activations); 09 then stores K and V in it, under its own words
     "08a_awq_kernels": ["q4x8", "awq_gemm", "awq_cpu", "int8"],
