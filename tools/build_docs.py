@@ -335,8 +335,8 @@ WORKSHOP_PLANS = [
         (45, [], "lunch"),
         (50, ["05b", "05c"], "the CPU's answer: C++ kernels, a matvec at the memory's pace, one call per decode step"),
         (45, ["06a", "06b"], "continuous batching: scheduler and engine"),
-        (40, ["07a", "07c", "07d", "07e"], "the API, the HTTP server, the command line and the chat page; students "
-                                           "benchmark their own machine"),
+        (40, ["07a", "07b", "07c", "07d", "07e"], "the API, the wire format, the HTTP server, the command line "
+                                                  "and the chat page; students benchmark their own machine"),
         (15, [], "break"),
         (25, ["08"], "fewer bytes per weight: INT4 weights with AWQ's scales, and what they cost in perplexity"),
         (25, ["09", "09a"], "fewer bytes per cached token: a quantized KV cache in 8 bits, then in 4 (KIVI)"),
