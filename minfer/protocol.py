@@ -22,26 +22,30 @@ from .sampling import SamplingParams
 
 # %% ../nbs/07b_protocol.ipynb #d625d156
 class APIError(Exception):
-    """A request the server refuses: becomes OpenAI's error object `{'error': {message, type, param, code}}`, with
-    `headers` on the response (a 429's `Retry-After`)."""
-    def __init__(self, message, param=None, status=400, type="invalid_request_error", code=None, headers=None):
+    """A request the server refuses: becomes OpenAI's error object
+    `{'error': {message, type, param, code}}`, with `headers` on the response (a 429's
+    `Retry-After`)."""
+    def __init__(self, message, param=None, status=400, type="invalid_request_error", code=None,
+                 headers=None):
         super().__init__(message)
-        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
+        self.message, self.param, self.status = message, param, status
+        self.type, self.code = type, code
         self.headers = headers
 
     def body(self):
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        error = dict(message=self.message, type=self.type, param=self.param, code=self.code)
+        return {"error": error}
 
     def response(self):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 def one_line(text, limit=300):
-    "`text` on one line of at most `limit` characters: what a client is shown of a message it did not write."
+    "`text` on one line of at most `limit` characters: what a client sees of a message not its own."
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 def internal_error(request_id):
-    "The 500 a client gets for a bug: no exception text, a request id to find the traceback in the server's log."
+    "The 500 a client gets for a bug: no exception text; a request id finds the traceback."
     return APIError(f"internal error (request id {request_id}); see the server log", None, 500,
                     "internal_server_error")
 
@@ -53,7 +57,7 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 class _SamplingFields(_Strict):
-    # the fields later chapters register (`REQUEST_FIELDS`) are kept as they came, for their own parsers
+    # the fields later chapters register (`REQUEST_FIELDS`) are kept as they came, for their parser
     model_config = ConfigDict(strict=True, extra="allow")
     model: str | None = None
     max_tokens: int | None = None
@@ -74,7 +78,7 @@ class _SamplingFields(_Strict):
 class CompletionRequest(_SamplingFields):
     "The body of `POST /v1/completions`."
     prompt: Any
-    logprobs: int | None = None  # how many top alternatives to return per token, as in OpenAI's legacy API
+    logprobs: int | None = None  # top alternatives to return per token, as in OpenAI's legacy API
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -97,7 +101,7 @@ def _param_path(loc):
     return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
 
 def parse_request(model, body):
-    "Validate a decoded JSON body against `model`; the first problem becomes one APIError naming its field."
+    "Validate a decoded JSON body against `model`; its first problem: one APIError naming the field."
     if not isinstance(body, dict):
         raise APIError(f"the body must be a JSON object, got {type(body).__name__}")
     try:
@@ -114,7 +118,7 @@ def _limit(default, help):
 
 @dataclasses.dataclass(frozen=True)
 class ServerLimits:
-    "What one client may ask of the server; each field is a `minfer serve` flag (`--max-request-bytes`, ...)."
+    "What one client may ask of the server; each field is a `minfer serve` flag (`--max-queue-len`)."
     max_request_bytes: int = _limit(1 << 20, "largest request body, in bytes; a larger one gets a 413")
     max_json_depth: int = _limit(64, "deepest nesting of a request's JSON; deeper gets a 400")
     max_stop_strings: int = _limit(16, "stop strings in one request; more get a 400")
@@ -143,10 +147,12 @@ class ServerLimits:
                 raise ValueError(f"--{f.name.replace('_', '-')}={value!r} is invalid; use {allowed}")
         return self
 
-INT64 = 2**63  # JSON integers are refused outside [-INT64, INT64): a seed, a token count, nothing here needs more
+# JSON integers are refused outside [-INT64, INT64): a seed, a token count, nothing here needs more
+INT64 = 2**63
 
 def _json_int(text):
-    value = int(text) if len(text) <= 20 else None  # never ask Python to convert thousands of digits
+    # never ask Python to convert thousands of digits
+    value = int(text) if len(text) <= 20 else None
     if value is None or not -INT64 <= value < INT64:
         raise APIError(f"the body holds the integer {text[:24]}{'...' if len(text) > 24 else ''}, outside the "
                        "signed 64-bit range")
@@ -176,7 +182,8 @@ def json_depth(value, limit):
 def decode_json(raw, max_depth):
     "A request body as JSON: one APIError (400) for text that is not JSON, too deep, or holds numbers it refuses."
     try:
-        body = json.loads(raw, parse_int=_json_int, parse_float=_json_float, parse_constant=_json_constant)
+        body = json.loads(raw, parse_int=_json_int, parse_float=_json_float,
+                          parse_constant=_json_constant)
     except RecursionError:
         raise APIError(f"the body nests deeper than {max_depth} levels") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -192,7 +199,8 @@ def _stop_list(stop, limits):
         return None
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise APIError(f"stop: must be a string or a list of strings, got {json.dumps(stop)[:80]}", "stop")
+        got = json.dumps(stop)[:80]
+        raise APIError(f"stop: must be a string or a list of strings, got {got}", "stop")
     if len(stop) > limits.max_stop_strings:
         raise APIError(f"stop: {len(stop)} stop strings; at most {limits.max_stop_strings} "
                        "(--max-stop-strings)", "stop")
@@ -204,7 +212,8 @@ def _stop_list(stop, limits):
 def _refuse_unsupported(req):
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name) not in (None, 0):
-            raise APIError(f"{name}: minfer has no repetition penalties; leave it out or set 0", name)
+            raise APIError(f"{name}: minfer has no repetition penalties; leave it out or set 0",
+                           name)
     if req.logit_bias:
         raise APIError("logit_bias: not supported by minfer; leave it out", "logit_bias")
     if isinstance(req, CompletionRequest):
@@ -223,7 +232,8 @@ class RequestField:
     names: tuple
     parse: Callable
 
-REQUEST_FIELDS = Registry("request field", RequestField)  # SamplingParams option -> how a body carries it
+# SamplingParams option -> how a body carries it
+REQUEST_FIELDS = Registry("request field", RequestField)
 
 def option_fields(req):
     "{option: {field: value}} of the registered fields (`REQUEST_FIELDS`) the request holds."
@@ -236,7 +246,8 @@ def option_fields(req):
 
 def request_options(req):
     "The `SamplingParams` options the request's registered fields carry: {option: value}."
-    parsed = {option: REQUEST_FIELDS[option].parse(given) for option, given in option_fields(req).items()}
+    given_fields = option_fields(req).items()
+    parsed = {option: REQUEST_FIELDS[option].parse(given) for option, given in given_fields}
     return {option: value for option, value in parsed.items() if value is not None}
 
 def sampling_params(req, max_tokens, logprobs=None, limits=None):
@@ -244,11 +255,14 @@ def sampling_params(req, max_tokens, logprobs=None, limits=None):
     its one-line ValueError becomes a 400 naming the field."""
     _refuse_unsupported(req)
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise APIError(f"logprobs: use an integer in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
+        raise APIError(f"logprobs: use an integer in [0, {MAX_LOGPROBS}], got {logprobs}",
+                       "logprobs")
     stop = _stop_list(req.stop, limits or ServerLimits())
     fields = dict(temperature=1.0 if req.temperature is None else req.temperature,
-                  top_p=1.0 if req.top_p is None else req.top_p, top_k=0 if req.top_k is None else req.top_k,
-                  max_tokens=max_tokens, seed=req.seed, stop=stop, n=req.n, ignore_eos=req.ignore_eos,
+                  top_p=1.0 if req.top_p is None else req.top_p,
+                  top_k=0 if req.top_k is None else req.top_k,
+                  max_tokens=max_tokens, seed=req.seed, stop=stop, n=req.n,
+                  ignore_eos=req.ignore_eos,
                   logprobs=logprobs, **request_options(req))
     try:
         return SamplingParams(**fields)
@@ -265,8 +279,8 @@ def completion_prompts(prompt):
         return prompt
     if isinstance(prompt, list) and prompt and all(isinstance(p, (int, list)) for p in prompt):
         raise APIError("prompt: token-id prompts are not supported; send text", "prompt")
-    raise APIError(f"prompt: must be a string or a non-empty list of strings, got {json.dumps(prompt)[:80]}",
-                   "prompt")
+    got = json.dumps(prompt)[:80]
+    raise APIError(f"prompt: must be a string or a non-empty list of strings, got {got}", "prompt")
 
 def chat_messages(messages):
     "The conversation as {'role', 'content'} dicts for the chat template (text parts joined, developer → system)."
@@ -275,10 +289,12 @@ def chat_messages(messages):
     out = []
     for i, m in enumerate(messages):
         content = m.content
-        if isinstance(content, list):  # OpenAI's content parts; a text model can only use the text ones
+        # OpenAI's content parts; a text model can only use the text ones
+        if isinstance(content, list):
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):
-                raise APIError(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
+                raise APIError(f"messages[{i}].content: only text parts are supported",
+                               f"messages[{i}].content")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise APIError(f"messages[{i}].content: must be a string or a list of text parts",
@@ -321,15 +337,20 @@ class ResponseShape:
     def logprobs(self, entries):
         return chat_logprobs(entries) if self.chat else completion_logprobs(entries)
 
-    def chunk(self, index, text=None, logprobs=None, finish_reason=None, role=False, metrics=None, error=None):
+    def chunk(self, index, text=None, logprobs=None, finish_reason=None, role=False, metrics=None,
+              error=None):
+        ending = dict(logprobs=self.logprobs(logprobs), finish_reason=finish_reason)
         if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else {} if text is None else {"content": text}
-            choice = dict(index=index, delta=delta, logprobs=self.logprobs(logprobs), finish_reason=finish_reason)
+            delta = {} if text is None else {"content": text}
+            if role:
+                delta = {"role": "assistant", "content": ""}
+            choice = dict(index=index, delta=delta, **ending)
         else:
-            choice = dict(index=index, text=text or "", logprobs=self.logprobs(logprobs), finish_reason=finish_reason)
+            choice = dict(index=index, text=text or "", **ending)
         if error is not None:
             choice["error"] = choice_error(error)
-        out = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
+        head = self._head("chat.completion.chunk" if self.chat else "text_completion")
+        out = {**head, "choices": [choice]}
         if metrics is not None:
             out["metrics"] = metrics
         return out
@@ -342,7 +363,8 @@ class ResponseShape:
         choices = []
         for i, text in enumerate(texts):
             body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-            choice = dict(index=i, **body, logprobs=self.logprobs(logprobs[i]), finish_reason=finish_reasons[i])
+            choice = dict(index=i, **body, logprobs=self.logprobs(logprobs[i]),
+                          finish_reason=finish_reasons[i])
             if errors[i] is not None:
                 choice["error"] = choice_error(errors[i])
             choices.append(choice)
@@ -350,7 +372,7 @@ class ResponseShape:
         return {**head, "choices": choices, "usage": usage, "metrics": metrics}
 
 def choice_error(message):
-    "What a choice that ended with finish_reason 'error' carries: OpenAI's error object, for that choice alone."
+    "What a choice that ended with finish_reason 'error' carries: OpenAI's error object, for it alone."
     return {"message": message, "type": "internal_server_error", "param": None, "code": None}
 
 def sse(obj):
