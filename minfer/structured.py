@@ -17,7 +17,7 @@ import llguidance
 from llguidance.gbnf_to_lark import gbnf_to_lark
 from .model import Registry
 from .sampling import LOGITS_PROCESSORS, ProcessorOption
-from .serve import REQUEST_FIELDS, APIError, RequestField
+from .protocol import REQUEST_FIELDS, APIError, RequestField
 
 # %% ../nbs/14_structured.ipynb #cae5990c
 STRUCTURED_OUTPUTS = Registry("structured_outputs kind")  # kind -> fn(value, tokenizer, eos_ids, jump_forward)
