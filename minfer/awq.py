@@ -103,9 +103,11 @@ def capture_inputs(layer, x, cos, sin, attention):
     for name in PROJECTIONS:
         hook = lambda module, args, out, name=name: inputs.__setitem__(name, args[0])
         hooks.append(_projection(layer, name).register_forward_hook(hook))
-    try: out = layer(x, cos, sin, attention)
+    try:
+        out = layer(x, cos, sin, attention)
     finally:
-        for h in hooks: h.remove()
+        for h in hooks:
+            h.remove()
     return inputs, out
 
 def calibration_start(model, ids):
@@ -177,7 +179,8 @@ def apply_clip(weight, max_val, group_size=64):
     groups.copy_(torch.clamp(groups, -max_val[..., None], max_val[..., None]))
 
 # %% ../nbs/08_awq.ipynb #78d97aa9
-def _relative_error(approx, exact): return ((approx - exact).norm() / exact.norm()).item()
+def _relative_error(approx, exact):
+    return ((approx - exact).norm() / exact.norm()).item()
 
 @torch.no_grad()
 def awq_transform(model, ids, group_size=64, n_grid=20, clip=True, log=None, progress=False):
@@ -229,7 +232,8 @@ def awq_transform(model, ids, group_size=64, n_grid=20, clip=True, log=None, pro
         awq_error = {n: _relative_error(inputs[n] @ fake_quantize(_projection(layer, n).weight, group_size).T, exact[n])
                      for n in PROJECTIONS}
         report.append(dict(alpha=alpha, rtn_error=rtn_error, awq_error=awq_error))
-        if log: log(f"layer {layer.layer}: α {alpha}")
+        if log:
+            log(f"layer {layer.layer}: α {alpha}")
         x = x_next
     return report
 
@@ -385,7 +389,8 @@ def quantization_config(group_size):
     return dict(quant_method="awq", bits=AWQ_BITS, group_size=group_size, zero_point=True, version="gemm",
                 modules_to_not_convert=None)
 
-def _split_rows(weight, sizes): return torch.split(weight, sizes, dim=0)
+def _split_rows(weight, sizes):
+    return torch.split(weight, sizes, dim=0)
 
 def checkpoint_projections(model):
     """{checkpoint name: weight [out, in]} of every layer's projections, the fused ones split back into the
@@ -430,32 +435,38 @@ def quantize_folder(src, dst, method="awq", group_size=64, n_samples=16, seq_len
     seq_len 512 is AutoAWQ's `max_calib_seq_len`; 16 x 512 tokens are most of the shipped calibration text.
     `progress`: show the search's progress bar (`awq_transform`)."""
     from safetensors.torch import save_file
-    if method not in ("awq", "rtn"): raise ValueError(f"method {method!r} is not supported; use 'awq' or 'rtn'")
+    if method not in ("awq", "rtn"):
+        raise ValueError(f"method {method!r} is not supported; use 'awq' or 'rtn'")
     src, dst = Path(src), Path(dst)
     model = load_model(src, "float32")
     check_behaviours(model.cfg, AWQ_PATH, "AWQ quantization")
     for name, n in (("hidden_size", model.cfg.hidden_size), ("intermediate_size", model.cfg.intermediate_size)):
-        if n % group_size: raise ValueError(f"group size {group_size} does not divide {name} {n}; try 64 or 32")
+        if n % group_size:
+            raise ValueError(f"group size {group_size} does not divide {name} {n}; try 64 or 32")
     report = None
     if method == "awq":
         ids = calibration_ids(Tokenizer(src), n_samples, seq_len, calibration_text)
         report = awq_transform(model, ids, group_size, log=log, progress=progress)
     tensors = quantize_model_tensors(model, group_size)
     dst.mkdir(parents=True, exist_ok=True)
-    if report is not None: (dst / "awq_report.json").write_text(json.dumps(report))
+    if report is not None:
+        (dst / "awq_report.json").write_text(json.dumps(report))
     save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
     config.update(torch_dtype="float16", quantization_config=quantization_config(group_size))
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     for name in TOKENIZER_FILES:
-        if (src / name).exists(): shutil.copy2(src / name, dst / name)
+        if (src / name).exists():
+            shutil.copy2(src / name, dst / name)
     return dst
 
 def is_awq_folder(folder):
     """Whether `folder`'s config.json declares AWQ quantisation (whether minfer supports its variant is
     `load_awq_model`'s to say)."""
-    try: config = json.loads((Path(folder) / "config.json").read_text())
-    except (OSError, json.JSONDecodeError): return False
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
     qc = config.get("quantization_config")
     return isinstance(qc, dict) and str(qc.get("quant_method", "")).lower() == "awq"
 
@@ -463,7 +474,8 @@ def check_awq_config(folder):
     "The group size of an AWQ folder minfer can run, or a ValueError naming what was found and what is supported."
     config = json.loads((Path(folder) / "config.json").read_text())
     qc = config.get("quantization_config")
-    if not isinstance(qc, dict): raise ValueError(f"{folder}: config.json has no quantization_config ({SUPPORTED})")
+    if not isinstance(qc, dict):
+        raise ValueError(f"{folder}: config.json has no quantization_config ({SUPPORTED})")
     found = {k: qc.get(k) for k in ("quant_method", "bits", "version", "zero_point", "group_size")}
     ok = (str(found["quant_method"]).lower() == "awq" and found["bits"] == 4 and str(found["version"]).lower() == "gemm"
           and found["zero_point"] is True and isinstance(found["group_size"], int) and found["group_size"] > 0)
@@ -481,21 +493,25 @@ def load_projections(folder, dtype, device, projection, fuse, path):
     Embedding, norms and LM head are dense, in `dtype`; in bf16 on a CPU the LM head is also packed in fp32 for steps
     of several rows, as in a dense bf16 model. `path`: the format's behaviours path (`check_behaviours`). Refuses to
     finish while a checkpoint tensor is unused."""
-    if dtype not in DTYPES: raise ValueError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
     folder = Path(folder)
     cfg = ModelConfig.from_folder(folder)
     check_behaviours(cfg, path)
     sd = {}
     for f in sorted(folder.glob("*.safetensors")):
         with safe_open(f, framework="pt") as st:
-            for k in st.keys(): sd[k] = st.get_tensor(k)
+            for k in st.keys():
+                sd[k] = st.get_tensor(k)
     def take(name):
         if name not in sd:
             raise ValueError(f"{folder}: tensor {name!r} is missing from the safetensors files ({path})")
         return sd.pop(name)
-    with torch.device("meta"): model = Llama(cfg)
+    with torch.device("meta"):
+        model = Llama(cfg)
     dense = {"embed_tokens.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
-    if not cfg.tie_word_embeddings: dense["lm_head.weight"] = take("lm_head.weight")
+    if not cfg.tie_word_embeddings:
+        dense["lm_head.weight"] = take("lm_head.weight")
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         for n in ("input_layernorm", "post_attention_layernorm"):
@@ -509,14 +525,16 @@ def load_projections(folder, dtype, device, projection, fuse, path):
         raise ValueError(f"{folder}: {len(sd)} checkpoint tensors would be left unused "
                          f"({', '.join(sorted(sd)[:3])}{', ...' if len(sd) > 3 else ''}) by {path}")
     model.load_state_dict({k: v.to(DTYPES[dtype]) for k, v in dense.items()}, strict=False, assign=True)
-    if cfg.tie_word_embeddings: model.lm_head.weight = model.embed_tokens.weight
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
     model = make_rope(model).to(device).eval().requires_grad_(False)
     if model.dtype == torch.bfloat16 and can_pack(dtype, device):
         # as chapter 00b's `pack_weights` does for a dense bf16 model: steps of several rows run in fp32 activations
         # (bf16 attention and conversions cost more than fp32 arithmetic on a CPU), their projections by
         # the format's CPU kernel, which takes fp32 rows as well, and their LM head by oneDNN's packed fp32 copy
         model.lm_head = PackedLinear(model.lm_head.weight)
-        if cfg.tie_word_embeddings: model.lm_head.weight = model.embed_tokens.weight
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
         model.wide_dtype = torch.float32
     return model
 
@@ -611,7 +629,8 @@ COMMANDS.register("quantize", Command(
 def perplexity(model, token_ids, chunk=256):
     "exp(mean -log p(token | the earlier tokens of its chunk)) over `token_ids`, in chunks of `chunk` predictions."
     ids = torch.as_tensor(list(token_ids), dtype=torch.long)
-    if len(ids) < 2: raise ValueError("perplexity needs at least two tokens")
+    if len(ids) < 2:
+        raise ValueError("perplexity needs at least two tokens")
     nll, count = 0.0, 0
     for start in range(0, len(ids) - 1, chunk):
         piece = ids[start:start + chunk + 1].to(model.device)

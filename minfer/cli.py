@@ -1,4 +1,4 @@
-"""`minfer generate`, `chat`, `bench` and `serve`: every engine switch is a flag, and the chapters after this one add subcommands of their own.
+"""`minfer generate`, `chat`, `bench` and `serve`: every engine switch a flag; later chapters add subcommands.
 
 Docs: https://minfer.github.io/minfer/cli.html.md"""
 
@@ -33,9 +33,11 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="minfer", description="minfer: a small, readable LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     parsers = {name: sub.add_parser(name, help=c.help, description=c.help) for name, c in COMMANDS.items()}
-    if argv and argv[0] in COMMANDS: COMMANDS[argv[0]].add_args(parsers[argv[0]])  # only the one that runs
+    if argv and argv[0] in COMMANDS:
+        COMMANDS[argv[0]].add_args(parsers[argv[0]])  # only the one that runs
     args = parser.parse_args(argv)
-    try: status = COMMANDS[args.command].run(args)
+    try:
+        status = COMMANDS[args.command].run(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"minfer: error: {e}", file=sys.stderr)
         return 2
@@ -80,9 +82,11 @@ def _generate_args(p):
 
 def run_generate(a):
     llm, params = LLM(**engine_switches(a)), sampling_params(a)
-    for delta in llm.stream(a.prompt, params, raw=a.raw or None): print(delta, end="", flush=True)
+    for delta in llm.stream(a.prompt, params, raw=a.raw or None):
+        print(delta, end="", flush=True)
     print()
-    if a.metrics: print_metrics(llm.generate(a.prompt, params, raw=a.raw or None)[0].metrics)
+    if a.metrics:
+        print_metrics(llm.generate(a.prompt, params, raw=a.raw or None)[0].metrics)
 
 def _chat_args(p):
     p.add_argument("--message", default=None, help="one user turn, then exit (default: read turns from stdin)")
@@ -93,16 +97,21 @@ def run_chat(a):
     turns = [a.message] if a.message else None
     while True:
         if turns is not None:
-            if not turns: break
+            if not turns:
+                break
             user = turns.pop(0)
         else:
-            try: user = input("you> ")
-            except EOFError: break
-            if user.strip() in ("", "/exit", "/quit"): break
+            try:
+                user = input("you> ")
+            except EOFError:
+                break
+            if user.strip() in ("", "/exit", "/quit"):
+                break
         history.append({"role": "user", "content": user})
         out = llm.chat(history, params)[0]
         print(("" if turns is not None else "assistant> ") + out.text, flush=True)
-        if a.metrics: print_metrics(out.metrics)
+        if a.metrics:
+            print_metrics(out.metrics)
         history.append({"role": "assistant", "content": out.text})
 
 def _bench_args(p):

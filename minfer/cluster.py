@@ -104,17 +104,21 @@ class Child:
         self.pid = self.popen.pid
 
     @property
-    def exitcode(self): return self.popen.poll()
+    def exitcode(self):
+        return self.popen.poll()
 
-    def is_alive(self): return self.popen.poll() is None
+    def is_alive(self):
+        return self.popen.poll() is None
 
     def join(self, timeout=None):
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(timeout)
 
-    def terminate(self): self.popen.terminate()
+    def terminate(self):
+        self.popen.terminate()
 
-    def kill(self): self.popen.kill()
+    def kill(self):
+        self.popen.kill()
 
     def last_line(self):
         "The last line it wrote (what a process that died said last)."
@@ -228,9 +232,11 @@ class Cluster:
         "Stop every process (the gateway first); never waits without a limit."
         stop_workers(self.procs, grace=0.0)
 
-    def __enter__(self): return self
+    def __enter__(self):
+        return self
 
-    def __exit__(self, *exc): self.close()
+    def __exit__(self, *exc):
+        self.close()
 
 def replica_serve_args(serve_args):
     """`minfer serve` flags for every replica, checked by `serve`'s own parser: -> a list, with `--prefix-cache` first

@@ -197,8 +197,10 @@ def cxx_compiler():
 
 def _cpu_features():
     "What `-march=native` compiles for: the architecture and, on Linux, the CPU's feature flags."
-    try: flags = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith(("flags", "Features")))
-    except (OSError, StopIteration): flags = ""
+    try:
+        flags = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith(("flags", "Features")))
+    except (OSError, StopIteration):
+        flags = ""
     return f"{platform.machine()} {flags}"
 
 def build_cpu_kernels(source=None, out_dir=None, flags=CXX_FLAGS):
@@ -208,7 +210,8 @@ def build_cpu_kernels(source=None, out_dir=None, flags=CXX_FLAGS):
     Returns its path."""
     source = CPU_KERNELS_SOURCE if source is None else source
     # MINFER_NO_AVX512=1 builds what a CPU without AVX-512 runs, so that a machine with it can test those paths too
-    if os.environ.get("MINFER_NO_AVX512") == "1": flags = (*flags, "-mno-avx512f")
+    if os.environ.get("MINFER_NO_AVX512") == "1":
+        flags = (*flags, "-mno-avx512f")
     cxx = cxx_compiler()
     if cxx is None:
         raise RuntimeError(f"no C++ compiler found (looked for {os.environ.get('CXX', 'c++')!r} on PATH); "
@@ -216,7 +219,8 @@ def build_cpu_kernels(source=None, out_dir=None, flags=CXX_FLAGS):
     key = hashlib.sha256("\n".join([source, cxx, *flags, _cpu_features()]).encode()).hexdigest()[:16]
     out_dir = Path(out_dir) if out_dir is not None else data_dir() / "build"
     lib = out_dir / f"minfer_cpu_kernels_{key}.so"
-    if lib.exists(): return lib
+    if lib.exists():
+        return lib
     out_dir.mkdir(parents=True, exist_ok=True)
     src, tmp = out_dir / f"{lib.stem}.{os.getpid()}.cpp", out_dir / f"{lib.stem}.{os.getpid()}.so.tmp"
     src.write_text(source)
@@ -257,7 +261,8 @@ def cpu_kernels_available():
     try:
         cpu_kernels()
         return True
-    except (RuntimeError, OSError): return False
+    except (RuntimeError, OSError):
+        return False
 
 def _kernel(name, x, *others, table=None):
     """Kernel `name` for x's dtype, after checking what a raw pointer cannot: every tensor on the CPU, contiguous,
@@ -266,8 +271,10 @@ def _kernel(name, x, *others, table=None):
         if not (t.is_cpu and t.dtype is x.dtype and t.is_contiguous()):
             raise ValueError(f"{name}: CPU kernels need contiguous CPU tensors of one dtype; got {t.dtype} "
                              f"{tuple(t.shape)} on {t.device} (contiguous: {t.is_contiguous()}) next to {x.dtype}")
-    try: return (cpu_kernels() if table is None else table)[name, x.dtype]
-    except KeyError: raise ValueError(f"{name}: CPU kernels support float32 and bfloat16, not {x.dtype}") from None
+    try:
+        return (cpu_kernels() if table is None else table)[name, x.dtype]
+    except KeyError:
+        raise ValueError(f"{name}: CPU kernels support float32 and bfloat16, not {x.dtype}") from None
 
 # %% ../nbs/05b_cpu_kernels.ipynb #ea866c87
 def rms_norm(x, weight, eps, residual=None):
@@ -306,7 +313,8 @@ FUSED_MAX_ROWS = 16  # tokens per step up to which the one-thread kernels beat P
 class FusedRMSNorm(RMSNorm):
     "`RMSNorm` in one kernel call; `forward(x, residual)` first adds `residual` into `x`, in place."
     def forward(self, x, residual=None):
-        if x.shape[0] > FUSED_MAX_ROWS: return super().forward(x if residual is None else x.add_(residual))
+        if x.shape[0] > FUSED_MAX_ROWS:
+            return super().forward(x if residual is None else x.add_(residual))
         return rms_norm(x, self.weight.to(x.dtype), self.eps, residual)  # bf16 weights, fp32 wide steps: see 00a
 
 class FusedAttention(Attention):
@@ -314,7 +322,8 @@ class FusedAttention(Attention):
     def forward(self, x, cos, sin, layer, attention):
         # the kernel turns whole heads of unnormalised q and k: other layers (chapter 12a's families) run 00a's code
         plain = self.q_norm is None and self.q_scale is None and cos is not None and cos.shape[-1] == self.d
-        if x.shape[0] > FUSED_MAX_ROWS or not plain: return super().forward(x, cos, sin, layer, attention)
+        if x.shape[0] > FUSED_MAX_ROWS or not plain:
+            return super().forward(x, cos, sin, layer, attention)
         T, nq, nkv = x.shape[0], self.n_q, self.n_kv
         qkv = rope_(self.qkv_proj(x).view(T, nq + 2 * nkv, self.d), cos, sin, nq + nkv)
         o = attention(layer, qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:], **self.attn_kwargs)
@@ -323,13 +332,15 @@ class FusedAttention(Attention):
 class FusedMLP(MLP):
     "`MLP` with silu(gate) * up in one kernel call."
     def forward(self, x):
-        if x.shape[0] > FUSED_MAX_ROWS or self.act is not F.silu: return super().forward(x)  # GeGLU: 00a's code
+        if x.shape[0] > FUSED_MAX_ROWS or self.act is not F.silu:
+            return super().forward(x)  # GeGLU: 00a's code
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 class FusedDecoderLayer(DecoderLayer):
     "`DecoderLayer` whose residual adds happen in place, the first one inside the norm that follows it."
     def forward(self, x, cos, sin, attention):
-        if self.sandwich: return super().forward(x, cos, sin, attention)  # Gemma's norms around attention and MLP
+        if self.sandwich:
+            return super().forward(x, cos, sin, attention)  # Gemma's norms around attention and MLP
         a = self.self_attn(self.input_layernorm(x), cos, sin, self.layer, attention)
         return x.add_(self.mlp(self.post_attention_layernorm(x, residual=a)))
 
@@ -347,7 +358,8 @@ def fuse_cpu_ops(model):
                          f"this model is {model.dtype} on {model.device}")
     for layer in model.layers:
         for m in (layer, layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm, layer.mlp):
-            if type(m) in _FUSED: m.__class__ = _FUSED[type(m)]  # a mixture of experts (chapter 12b) keeps its own
+            if type(m) in _FUSED:
+                m.__class__ = _FUSED[type(m)]  # a mixture of experts (chapter 12b) keeps its own
     model.norm.__class__ = FusedRMSNorm
     return model
 

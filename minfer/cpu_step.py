@@ -254,8 +254,10 @@ _STEP_SIGNATURES = {"matvec": [_P, _P, _P, _I, _I, _I], "decode_step": _STEP_ARG
 
 def openmp_runtimes():
     "Paths of the OpenMP runtimes loaded in this process (read from /proc/self/maps; empty where that does not exist)."
-    try: maps = Path("/proc/self/maps").read_text()
-    except OSError: return set()
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return set()
     return {l.split()[-1] for l in maps.splitlines() if any(n in l for n in ("libgomp", "libiomp", "libomp"))}
 
 @functools.cache
@@ -272,7 +274,8 @@ def cpu_step_available():
     try:
         cpu_step_kernels()
         return True
-    except (RuntimeError, OSError): return False
+    except (RuntimeError, OSError):
+        return False
 
 # %% ../nbs/05c_cpu_step.ipynb #8c32f50e
 def matvec(w, x):

@@ -37,8 +37,10 @@ def take_messages(q, wait=0.0):
     msgs = []
     try:
         msgs.append(pickle.loads(q.get(timeout=wait) if wait > 0 else q.get_nowait()))
-        while True: msgs.append(pickle.loads(q.get_nowait()))
-    except queue.Empty: pass
+        while True:
+            msgs.append(pickle.loads(q.get_nowait()))
+    except queue.Empty:
+        pass
     return msgs
 
 def portable(seq):
@@ -52,7 +54,8 @@ def free_port():
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
-def transfer_tag(pid): return pid % 2**31  # one tag per transfer: a late or missing message cannot be taken for another
+def transfer_tag(pid):
+    return pid % 2**31  # one tag per transfer: a late or missing message cannot be taken for another
 
 # %% ../nbs/11_disagg.ipynb #03cbea76
 GUARD_EXIT = 3  # a spawned process that was importing a main script which starts workers at its top level
@@ -133,9 +136,11 @@ class Worker:
         self.timeout = datetime.timedelta(seconds=options["timeout"])
         cores = parse_cores(config.prefill_cores if role == "prefill" else config.decode_cores)
         if config.device == "cpu":
-            if hasattr(os, "sched_setaffinity"): os.sched_setaffinity(0, cores)
+            if hasattr(os, "sched_setaffinity"):
+                os.sched_setaffinity(0, cores)
             torch.set_num_threads(len(cores))
-        elif torch.cuda.device_count() > 1: torch.cuda.set_device(ROLES.index(role))  # a GPU each
+        elif torch.cuda.device_count() > 1:
+            torch.cuda.set_device(ROLES.index(role))  # a GPU each
         # the prefix cache lives on the prefill side: the decode worker gets prompts' KV sent, it never computes them
         own = config.replace(pd_split=False, prefill_cores="auto", decode_cores="auto",
                              prefix_cache=config.prefix_cache and role == "prefill",
@@ -169,9 +174,12 @@ class Worker:
                 post(self.outbox, "beat", self.role)
                 beat = time.perf_counter()
             for msg in take_messages(self.inbox, wait=self.idle_wait()):
-                if msg[0] == "stop": return
-                if msg[0] == "stats": post(self.outbox, "stats", self.role, self.stats())
-                else: getattr(self, "on_" + msg[0])(*msg[1:])
+                if msg[0] == "stop":
+                    return
+                if msg[0] == "stats":
+                    post(self.outbox, "stats", self.role, self.stats())
+                else:
+                    getattr(self, "on_" + msg[0])(*msg[1:])
             self.work()
 
     def step(self):
@@ -187,7 +195,8 @@ class Worker:
         "How long the loop may block on its inbox: not at all while steps run, briefly while transfers are due."
         return 0 if self.engine.has_unfinished() else 0.005 if self.transfers_due() else 0.05
 
-    def busy(self): return self.engine.has_unfinished() or self.transfers_due()
+    def busy(self):
+        return self.engine.has_unfinished() or self.transfers_due()
 
     def stats(self):
         return dict(**self.engine.stats, spans=list(self.spans), transfers=list(self.transfers), pid=os.getpid())
@@ -212,42 +221,51 @@ class PrefillWorker(Worker):
         self.send_delay = 0.0
         threading.Thread(target=self.send_loop, daemon=True).start()
 
-    def transfers_due(self): return bool(self.exported)  # blocks held until the decode worker pulls them
+    def transfers_due(self):
+        return bool(self.exported)  # blocks held until the decode worker pulls them
 
     def on_add(self, seq, forks):
         self.engine.add(seq, forks)
         self.groups[seq.id] = [seq, *forks]
 
-    def on_abort(self, seq_id): self.engine.abort(seq_id)  # a prefilled group is dropped by the decode side instead
+    def on_abort(self, seq_id):
+        self.engine.abort(seq_id)  # a prefilled group is dropped by the decode side instead
 
     def on_pull(self, pid):
         "The decode worker has room for this group: send its blocks (from a thread, so prefill goes on meanwhile)."
         blocks = self.exported[pid][0].block_table.blocks
         self.sends.put((pid, self.cache.read_blocks(blocks), len(self.exported[pid][0].prompt_ids)))
 
-    def on_drop(self, pid): self.release(pid)
+    def on_drop(self, pid):
+        self.release(pid)
 
-    def on_delay(self, seconds): self.send_delay = seconds  # tests: hold each transfer, to abort in the middle of one
+    def on_delay(self, seconds):
+        self.send_delay = seconds  # tests: hold each transfer, to abort in the middle of one
 
     def work(self):
         while not self.sent.empty():
             pid, record = self.sent.get()
             self.transfers.append(record)
             self.release(pid)
-        if not self.engine.has_unfinished(): return
+        if not self.engine.has_unfinished():
+            return
         self.step()
         for pid, group in list(self.groups.items()):
-            if not (group[0].output_ids or group[0].finished): continue  # its prompt is not done yet
+            if not (group[0].output_ids or group[0].finished):
+                continue  # its prompt is not done yet
             del self.groups[pid]
             live = [s for s in group if not s.finished]
-            if not live: continue
-            for s in live: self.engine.scheduler.running.remove(s)  # not decoded here: held for the transfer
+            if not live:
+                continue
+            for s in live:
+                self.engine.scheduler.running.remove(s)  # not decoded here: held for the transfer
             self.exported[pid] = live
             post(self.outbox, "prefilled", pid, [portable(s) for s in live], len(live[0].block_table.blocks))
 
     def release(self, pid):
         "The group's blocks go back; the first sequence's whole prompt blocks stay in the prefix cache."
-        for i, s in enumerate(self.exported.pop(pid, [])): self.engine.scheduler._release(s, cache_it=i == 0)
+        for i, s in enumerate(self.exported.pop(pid, [])):
+            self.engine.scheduler._release(s, cache_it=i == 0)
 
     def send_loop(self):
         "Header first (transfer id, blocks, layers, tensors), so the receiver can allocate; then layer by layer."
@@ -265,7 +283,8 @@ class PrefillWorker(Worker):
                         x = data[name][layer].to(self.wire).contiguous()
                         self.group.send([x], 1, transfer_tag(pid)).wait(self.timeout)
                         nbytes += x.numel() * x.element_size()
-            except RuntimeError as e: error = str(e).splitlines()[0]
+            except RuntimeError as e:
+                error = str(e).splitlines()[0]
             self.sent.put((pid, dict(id=pid, prompt_tokens=prompt_len, blocks=n, bytes=nbytes, start=t0,
                                      end=time.perf_counter(), error=error)))
 
@@ -281,16 +300,19 @@ class DecodeWorker(Worker):
         self.recvs, self.received = queue.Queue(), queue.Queue()  # to and from the receiving thread
         threading.Thread(target=self.recv_loop, daemon=True).start()
 
-    def transfers_due(self): return bool(self.pending or self.receiving)  # groups waiting for room or on the wire
+    def transfers_due(self):
+        return bool(self.pending or self.receiving)  # groups waiting for room or on the wire
 
-    def on_admit(self, pid, group, n_blocks): self.pending.append((pid, group, n_blocks))
+    def on_admit(self, pid, group, n_blocks):
+        self.pending.append((pid, group, n_blocks))
 
     def on_abort(self, seq_id):
         self.aborted.add(seq_id)
         self.engine.abort(seq_id)
 
     def work(self):
-        while not self.received.empty(): self.arrived(*self.received.get())
+        while not self.received.empty():
+            self.arrived(*self.received.get())
         while self.pending:
             pid, group, n = self.pending[0]
             group = [s for s in group if s.id not in self.aborted]
@@ -298,13 +320,16 @@ class DecodeWorker(Worker):
                 self.pending.popleft()
                 post(self.peer, "drop", pid)
                 continue
-            try: ids = self.cache.allocator.allocate(n)
-            except OutOfBlocks: break  # it waits, in order; nothing is lost: the prefill worker holds its blocks
+            try:
+                ids = self.cache.allocator.allocate(n)
+            except OutOfBlocks:
+                break  # it waits, in order; nothing is lost: the prefill worker holds its blocks
             self.pending.popleft()
             self.receiving[pid] = (group, ids)
             self.recvs.put(pid)
             post(self.peer, "pull", pid)
-        if self.engine.has_unfinished(): self.step()
+        if self.engine.has_unfinished():
+            self.step()
 
     def arrived(self, pid, data, record):
         "A transfer ended: write its blocks and start decoding its sequences (or report why it failed)."
@@ -313,7 +338,8 @@ class DecodeWorker(Worker):
         live = [s for s in group if s.id not in self.aborted]
         if record["error"] or not live:
             self.cache.allocator.free(ids)
-            if live: post(self.outbox, "failed", [s.id for s in live], f"KV transfer failed: {record['error']}")
+            if live:
+                post(self.outbox, "failed", [s.id for s in live], f"KV transfer failed: {record['error']}")
             return
         self.cache.write_blocks(ids, data)
         table = BlockTable(self.cache.allocator, ids, live[0].num_computed, share=False)
@@ -339,7 +365,8 @@ class DecodeWorker(Worker):
                     for name in names:
                         self.group.recv([data[name][layer]], 0, transfer_tag(pid)).wait(self.timeout)
                         nbytes += data[name][layer].numel() * data[name][layer].element_size()
-            except RuntimeError as e: error = str(e).splitlines()[0]
+            except RuntimeError as e:
+                error = str(e).splitlines()[0]
             self.received.put((pid, data, dict(id=pid, blocks=n if data else 0, bytes=nbytes, start=t0,
                                                end=time.perf_counter(), error=error)))
 
@@ -365,7 +392,8 @@ class DisaggEngine:
     `WorkerDied` from `step()`, after which the engine is closed; `health()` says so without a step. `close()` (or
     exit) stops both workers, and they leave by themselves if this process dies."""
     @staticmethod
-    def wanted(config): return config.pd_split  # what makes `build_engine` pick this engine (chapter 06b)
+    def wanted(config):
+        return config.pd_split  # what makes `build_engine` pick this engine (chapter 06b)
 
     def __init__(self, config, *, timeout=60.0, start_timeout=300.0, prefill_overrides=None, decode_overrides=None):
         refuse_spawned_import()
@@ -400,7 +428,8 @@ class DisaggEngine:
         self._handle(take_messages(self.outbox, wait=0.1))
         return len(self.worker_info) == len(ROLES)
 
-    def _labelled(self): return {f"the {r} worker": p for r, p in self.procs.items()}
+    def _labelled(self):
+        return {f"the {r} worker": p for r, p in self.procs.items()}
 
     def __repr__(self):
         return f"DisaggEngine(prefill pid {self.procs['prefill'].pid}, decode pid {self.procs['decode'].pid})"
@@ -418,24 +447,30 @@ class DisaggEngine:
         if need > self.cache.num_blocks:
             raise ValueError(f"request needs {need} KV blocks (prompt + max_tokens = {seq.max_len} tokens), the pool "
                              f"has {self.cache.num_blocks}; shorten it or raise kv_cache_bytes")
-        if not self.seqs: self._last_news = time.perf_counter()  # silence counts only while requests are in flight
-        for s in (seq, *forks): self.seqs[s.id] = s
+        if not self.seqs:
+            self._last_news = time.perf_counter()  # silence counts only while requests are in flight
+        for s in (seq, *forks):
+            self.seqs[s.id] = s
         self.forks[seq.id] = list(forks)
         post(self.inboxes["prefill"], "add", portable(seq), [portable(f) for f in forks])
 
-    def has_unfinished(self): return bool(self.seqs)
+    def has_unfinished(self):
+        return bool(self.seqs)
 
     def abort(self, seq_id):
         "Abort a sequence wherever it is (its not-yet-started forks too); both workers drop it."
-        if self.closed: return
+        if self.closed:
+            return
         s = self.seqs.pop(seq_id, None)
-        if s is None: return
+        if s is None:
+            return
         s.abort()
         later = self.forks.pop(seq_id, []) if not s.output_ids else []
         for f in [s, *later]:
             self.seqs.pop(f.id, None)
             f.abort()
-            for r in ROLES: post(self.inboxes[r], "abort", f.id)
+            for r in ROLES:
+                post(self.inboxes[r], "abort", f.id)
 
     def step(self):
         "Wait briefly for the workers' news, apply it; -> the sequences that got a token (as `LLMEngine.step`)."
@@ -452,23 +487,32 @@ class DisaggEngine:
         got = []
         for kind, *args in msgs:
             self._last_news = time.perf_counter()
-            if kind == "tokens": got += self._on_tokens(*args)
-            elif kind == "prefilled": self._on_prefilled(*args)
-            elif kind == "failed": self._end([self.seqs[i] for i in args[0] if i in self.seqs], args[1])
-            elif kind == "beat": pass  # its arrival is the news
-            elif kind == "ready": self.worker_info[args[0]] = dict(pid=args[1], num_blocks=args[2], block_size=args[3])
-            elif kind == "stats": self._stats[args[0]] = args[1]
-            elif kind == "error": self._fail(f"the {args[0]} worker failed: {args[1]}")
+            if kind == "tokens":
+                got += self._on_tokens(*args)
+            elif kind == "prefilled":
+                self._on_prefilled(*args)
+            elif kind == "failed":
+                self._end([self.seqs[i] for i in args[0] if i in self.seqs], args[1])
+            elif kind == "beat":
+                pass  # its arrival is the news
+            elif kind == "ready":
+                self.worker_info[args[0]] = dict(pid=args[1], num_blocks=args[2], block_size=args[3])
+            elif kind == "stats":
+                self._stats[args[0]] = args[1]
+            elif kind == "error":
+                self._fail(f"the {args[0]} worker failed: {args[1]}")
         return got
 
     def _on_tokens(self, news):
         got = []
         for sid, token, logprobs, worker_done, bytes_per_token, extra in news:
             s = self.seqs.get(sid)
-            if s is None: continue  # aborted here meanwhile
+            if s is None:
+                continue  # aborted here meanwhile
             if extra:
                 self.forks.pop(sid, None)
-                if extra["prompt_logprobs"] is not None: s.prompt_logprobs = extra["prompt_logprobs"]
+                if extra["prompt_logprobs"] is not None:
+                    s.prompt_logprobs = extra["prompt_logprobs"]
                 s.metrics.num_cached_tokens = extra["num_cached_tokens"]
                 s.metrics.first_scheduled_time = extra["first_scheduled_time"]
             s.append(token, logprobs)
@@ -477,14 +521,17 @@ class DisaggEngine:
             if s.finished:
                 del self.seqs[sid]
                 if not worker_done:  # a stop string (only this process has the tokenizer): the workers drop it
-                    for r in ROLES: post(self.inboxes[r], "abort", sid)
+                    for r in ROLES:
+                        post(self.inboxes[r], "abort", sid)
         return got
 
     def _on_prefilled(self, pid, group, n_blocks):
         "The router: a prefilled group goes to the decode worker, or back to the prefill worker to drop if all ended."
         self.routed.append((time.perf_counter(), pid, n_blocks))
-        if any(s.id in self.seqs for s in group): post(self.inboxes["decode"], "admit", pid, group, n_blocks)
-        else: post(self.inboxes["prefill"], "drop", pid)
+        if any(s.id in self.seqs for s in group):
+            post(self.inboxes["decode"], "admit", pid, group, n_blocks)
+        else:
+            post(self.inboxes["prefill"], "drop", pid)
 
     def _end(self, seqs, reason):
         for s in seqs:
@@ -503,16 +550,19 @@ class DisaggEngine:
                          "the P/D workers are stopped: create a new engine")
 
     def _check_open(self):
-        if self.closed: raise WorkerDied(f"this engine's workers are stopped ({self.closed}); create a new engine")
+        if self.closed:
+            raise WorkerDied(f"this engine's workers are stopped ({self.closed}); create a new engine")
 
     def worker_stats(self, timeout=None):
         "Each worker's counters, step spans and transfer log: {'prefill': {...}, 'decode': {...}}."
         self._check_open()
         self._stats = {}
-        for r in ROLES: post(self.inboxes[r], "stats")
+        for r in ROLES:
+            post(self.inboxes[r], "stats")
         deadline = time.perf_counter() + (timeout or self.timeout)
         while len(self._stats) < len(ROLES):
-            if time.perf_counter() > deadline: self._fail("workers did not answer a stats request")
+            if time.perf_counter() > deadline:
+                self._fail("workers did not answer a stats request")
             got = self._handle(take_messages(self.outbox, wait=0.05))
             assert not got, "worker_stats() between steps only"
         return self._stats
@@ -532,12 +582,15 @@ class DisaggEngine:
 
     def close(self):
         "Stop both workers (idempotent); requests still in flight are aborted."
-        for sid in list(self.seqs): self.abort(sid)
+        for sid in list(self.seqs):
+            self.abort(sid)
         self.closed = self.closed or "closed"
         self._finalizer()
 
-    def __enter__(self): return self
-    def __exit__(self, *exc): self.close()
+    def __enter__(self):
+        return self
+    def __exit__(self, *exc):
+        self.close()
 
 def stop_workers(procs, inboxes=None, queues=(), grace=5.0):
     """Stop worker processes ({name: Process}): post "stop" to each live one's inbox ({name: queue}; none where they

@@ -63,7 +63,8 @@ class EagleHead(nn.Module):
         cos, sin = self.rope.tables(positions, x.dtype)
         return self.layer(x, cos, sin, attention)
 
-    def draft_logits(self, g): return self.lm_head(g)
+    def draft_logits(self, g):
+        return self.lm_head(g)
 
 # %% ../nbs/10b_eagle.ipynb #e0c2
 class FeatureTap:
@@ -78,11 +79,13 @@ class FeatureTap:
         self.hooks = [model.embed_tokens.register_forward_hook(keep), model.layers[-1].register_forward_hook(keep)]
 
     def features(self):
-        with torch.inference_mode(): return self.model.norm(self.residual.clone()).float()
+        with torch.inference_mode():
+            return self.model.norm(self.residual.clone()).float()
 
 def tap_of(model):
     "The model's one `FeatureTap`, made at first use (several proposers over one model share it)."
-    if getattr(model, "feature_tap", None) is None: model.feature_tap = FeatureTap(model)
+    if getattr(model, "feature_tap", None) is None:
+        model.feature_tap = FeatureTap(model)
     return model.feature_tap
 
 # %% ../nbs/10b_eagle.ipynb #e0d2
@@ -126,11 +129,13 @@ def target_features(model, seqs, batch=16):
         group = order[i:i + batch]
         L = len(seqs[group[-1]])
         tokens = torch.zeros(len(group), L, dtype=torch.long)
-        for b, j in enumerate(group): tokens[b, :len(seqs[j])] = torch.tensor(seqs[j])
+        for b, j in enumerate(group):
+            tokens[b, :len(seqs[j])] = torch.tensor(seqs[j])
         model(tokens.view(-1), torch.arange(L).repeat(len(group)), PackedCausal(len(group), L),
               logits_rows=torch.tensor([0]))
         f = tap.features().view(len(group), L, -1)
-        for b, j in enumerate(group): out[j] = f[b, :len(seqs[j])].clone()
+        for b, j in enumerate(group):
+            out[j] = f[b, :len(seqs[j])].clone()
     return out
 
 def self_distill(llm, prompts, max_tokens=128, temperatures=(0.0, 0.7), seed=0, log=None, progress=False):
@@ -139,13 +144,15 @@ def self_distill(llm, prompts, max_tokens=128, temperatures=(0.0, 0.7), seed=0, 
     `progress`: `generate`'s bar over the prompts, with its time estimate."""
     half, seqs, starts = len(prompts) // 2, [], []
     for group, temperature in ((prompts[:half], temperatures[0]), (prompts[half:], temperatures[-1])):
-        if not group: continue
+        if not group:
+            continue
         # each prompt one user turn of the model's chat template, as `generate` makes it for any request
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
         outs = llm.generate(group, params, use_tqdm=progress)
         seqs += [o.prompt_token_ids + o.token_ids for o in outs]
         starts += [len(o.prompt_token_ids) for o in outs]
-        if log: log(f"the target wrote {sum(len(o.token_ids) for o in outs)} tokens at temperature {temperature}")
+        if log:
+            log(f"the target wrote {sum(len(o.token_ids) for o in outs)} tokens at temperature {temperature}")
     features = target_features(llm.model, seqs)
     return [(torch.tensor(ids), f, a) for ids, f, a in zip(seqs, features, starts)]
 
@@ -198,7 +205,8 @@ def unroll_head(head, tokens, feats, starts, ahead, noise=0.0, generator=None):
     row t reads x[t+s] at position t + s - 1. -> the predicted features of each step, [B, L, hidden] each."""
     B, L = tokens.shape[0], tokens.shape[1] - ahead
     t, attention, x, out = torch.arange(L), UnrolledCausal(B, L), feats[:, :L], []
-    if noise: x = x + (torch.rand(x.shape, generator=generator) - 0.5) * 2 * noise
+    if noise:
+        x = x + (torch.rand(x.shape, generator=generator) - 0.5) * 2 * noise
     for s in range(1, ahead + 1):
         positions = (starts[:, None] + t + s - 1).view(-1)
         x = head(tokens[:, s:s + L].reshape(-1), x.reshape(B * L, -1), positions, attention).view(B, L, -1)
@@ -215,13 +223,15 @@ def head_losses(head, batch, ahead=1, noise=0.0, generator=None):
     for s, g in enumerate(unroll_head(head, tokens, feats, starts, ahead, noise, generator), 1):
         mask = valid[:, s:s + L] & (t >= scored[:, None])
         target = feats[:, s:s + L][mask]
-        with torch.no_grad(): p = F.softmax(head.lm_head(target), -1)  # the draft LM head is the target's rows
+        with torch.no_grad():
+            p = F.softmax(head.lm_head(target), -1)  # the draft LM head is the target's rows
         logq = F.log_softmax(head.draft_logits(g[mask]), -1)
         agree = (logq.argmax(-1) == p.argmax(-1)).float().mean()
         out.append((F.smooth_l1_loss(g[mask], target), -(p * logq).sum(-1).mean(), agree))
     return out
 
-def fmt_time(seconds): return f"{int(seconds) // 60}:{int(seconds) % 60:02d}"
+def fmt_time(seconds):
+    return f"{int(seconds) // 60}:{int(seconds) % 60:02d}"
 
 def train_head(head, data, steps=800, rows=8, length=192, ahead=2, lr=1e-3, ce_weight=0.1, noise=0.05, seed=0,
                held_out=None, eval_every=20, log=None, progress=False):
@@ -324,7 +334,8 @@ def train_eagle(src=None, dst=None, schedule="default", seed=0, log=None, progre
     self-distilled data (the target's answers to chat prompts about words of its vocabulary), the head trained on it
     (`SCHEDULES[schedule]`), the folder written with its learning curve. -> the folder. `progress`: bars with time
     estimates over the answers written and the training steps."""
-    if schedule not in SCHEDULES: raise ValueError(f"schedule {schedule!r} is unknown; allowed: {', '.join(SCHEDULES)}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule {schedule!r} is unknown; allowed: {', '.join(SCHEDULES)}")
     s, log, t0 = SCHEDULES[schedule], log or (lambda line: None), time.perf_counter()
     src = check_model_folder(src or default_model_dir())
     dst = Path(dst) if dst else default_head_dir(src)
@@ -416,7 +427,8 @@ class EagleProposer:
             table.free()
 
     def _state(self, seq):
-        if seq.id not in self.states: self.states[seq.id] = HeadState(seq, self.cache.allocator)
+        if seq.id not in self.states:
+            self.states[seq.id] = HeadState(seq, self.cache.allocator)
         return self.states[seq.id]
 
     def file_features(self, batch, kept=None):
@@ -476,12 +488,15 @@ class EagleProposer:
         # at least one row (its prediction is the first guess), at most the history (no row reads further back)
         start = max(min(st.held, n - 1), n - self.history)
         st.table.truncate(min(start, st.table.num_tokens))
-        try: st.table.append_slots(n + k - 1 - st.table.num_tokens)
-        except OutOfBlocks: return None
+        try:
+            st.table.append_slots(n + k - 1 - st.table.num_tokens)
+        except OutOfBlocks:
+            return None
         zero = torch.zeros(self.hidden)  # a position the target never computed (served by the prefix cache)
         features = torch.stack([st.features.get(t, zero) for t in range(start, n)])
         st.held = n
-        for t in [t for t in st.features if t < n - 1]: del st.features[t]  # f[n - 1] stays: a re-run may need it
+        for t in [t for t in st.features if t < n - 1]:
+            del st.features[t]  # f[n - 1] stays: a re-run may need it
         return st.table, start, seq.token_ids[start + 1:n + 1], features
 
     def forget_finished(self):
@@ -496,7 +511,8 @@ class EagleProposer:
         jobs, work, drafts = [], [], {s: Draft([]) for s in seqs}  # greedy guesses: one-hot, `probs` None
         for s, k in zip(seqs, ks):
             got = self._catch_up(s, k) if k else None
-            if got is None: continue
+            if got is None:
+                continue
             jobs.append((s, k, got[0]))
             work.append(got)
         while jobs:

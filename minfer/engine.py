@@ -97,7 +97,8 @@ class ModelRunner:
         for s, n in batch:
             if _wants_prompt_rows(s) or s in ahead:
                 rows += range(start, start + n)
-            elif s.num_computed + n == len(s): rows.append(start + n - 1)
+            elif s.num_computed + n == len(s):
+                rows.append(start + n - 1)
             start += n
         return tokens, positions, meta, torch.tensor(rows, dtype=torch.long, device=dev)
 
@@ -144,7 +145,8 @@ class ModelRunner:
         w = weight_bytes_per_step(self.model.cfg, self.ledger.dtype, self.ledger.projection_bits, tokens) / len(batch)
         kvb = kv_token_bytes(self.model.cfg, self.cache.format_name or self.ledger.dtype,  # ch. 09: scales too
                              self.cache.block_size)
-        for s, n in batch: s.bytes_moved += w + (s.num_computed + n) * kvb
+        for s, n in batch:
+            s.bytes_moved += w + (s.num_computed + n) * kvb
 
 # %% ../nbs/06b_engine.ipynb #e1bb6271
 class LLMEngine:
@@ -165,9 +167,11 @@ class LLMEngine:
         self.t0 = time.perf_counter()
 
     @property
-    def attn(self): return self.runner.attn
+    def attn(self):
+        return self.runner.attn
     @property
-    def ledger(self): return self.runner.ledger
+    def ledger(self):
+        return self.runner.ledger
 
     @property
     def lookahead(self):
@@ -187,8 +191,10 @@ class LLMEngine:
                              f"has {self.cache.num_blocks}; shorten it or raise kv_cache_bytes")
         self.scheduler.add(seq, forks)
 
-    def has_unfinished(self): return self.scheduler.has_unfinished()
-    def abort(self, seq_id): self.scheduler.abort(seq_id)
+    def has_unfinished(self):
+        return self.scheduler.has_unfinished()
+    def abort(self, seq_id):
+        self.scheduler.abort(seq_id)
 
     @property
     def stats(self):
@@ -204,7 +210,8 @@ class LLMEngine:
 def step(self: LLMEngine):
     "One step: the scheduler decides, the runner computes and samples, the scheduler records. -> who got a token."
     batch, copies = self.scheduler.schedule()
-    if not batch: return []
+    if not batch:
+        return []
     self._log(batch)
     return self.scheduler.postprocess(batch, *self.runner.run(batch, copies))
 
@@ -326,8 +333,10 @@ def parse_cores(spec):
         for part in str(spec).split(","):
             lo, _, hi = part.strip().partition("-")
             ids.update(range(int(lo), int(hi or lo) + 1))
-    except ValueError: ids = set()
-    if not ids or min(ids) < 0: raise ValueError(f"{spec!r} is not a list of CPU ids; use e.g. '0', '0-3' or '0,2'")
+    except ValueError:
+        ids = set()
+    if not ids or min(ids) < 0:
+        raise ValueError(f"{spec!r} is not a list of CPU ids; use e.g. '0', '0-3' or '0,2'")
     return sorted(ids)
 
 def usable_cores():
@@ -374,7 +383,8 @@ def _prefix_refuses(c):
     return (f"prefix_cache=True reuses a prefix's K/V across prompts, and {cfg.model_type}'s RoPE "
             f"({cfg.rope.rope_type!r}) turns a prompt's keys by a table its whole length picks; use prefix_cache=False")
 
-def _no_compiler(): return "" if cxx_compiler() else ", and no C++ compiler is on PATH"
+def _no_compiler():
+    return "" if cxx_compiler() else ", and no C++ compiler is on PATH"
 
 def _attention_refuses(c):
     cls = ATTENTION_BACKENDS[c.attention]
@@ -596,7 +606,8 @@ def make_workload(tokenizer, n, *, seed=0, arrival="all", rate=4.0, prompt_media
     for _ in range(n):
         plen = int(min(max(rng.lognormvariate(math.log(prompt_median), 0.6), 8), prompt_max, len(ids) - 1))
         start = rng.randrange(0, len(ids) - plen)
-        if arrival == "poisson": t += rng.expovariate(rate)
+        if arrival == "poisson":
+            t += rng.expovariate(rate)
         reqs.append((t if arrival == "poisson" else 0.0, ids[start:start + plen], rng.randint(out_min, out_max)))
     return reqs
 
@@ -614,8 +625,10 @@ def serve(engine, workload, tokenizer, eos_ids=()):
             s.metrics.arrival_time = start + arr
             engine.add(s)
             seqs.append(s)
-        if engine.has_unfinished(): engine.step()
-        elif pending: time.sleep(min(0.01, max(0.0, pending[0][0] - now)))
+        if engine.has_unfinished():
+            engine.step()
+        elif pending:
+            time.sleep(min(0.01, max(0.0, pending[0][0] - now)))
     return seqs, time.perf_counter() - start
 
 def workload_sequence(ids, max_tokens, tokenizer, eos_ids=()):
@@ -640,7 +653,8 @@ def plot_gantt(engine, seqs, ax=None, title="continuous batching: who ran in whi
     grid = np.zeros((len(seqs), len(engine.history)))
     for j, (_, kinds, _) in enumerate(engine.history):
         for sid, n, kind in kinds:
-            if sid in index: grid[index[sid], j] = 2 if kind == "prefill" else 1
+            if sid in index:
+                grid[index[sid], j] = 2 if kind == "prefill" else 1
     ax.imshow(grid, aspect="auto", cmap="Blues", vmin=0, vmax=2, interpolation="nearest")
     ax.set_xlabel("engine step")
     ax.set_ylabel("request")

@@ -44,7 +44,8 @@ def tiny_random_model(model_type, folder, seed=0, **config):
         model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if p.dim() == 1: p.copy_((1.0 if "norm" in name else 0.0) + 0.3 * torch.randn_like(p))
+                if p.dim() == 1:
+                    p.copy_((1.0 if "norm" in name else 0.0) + 0.3 * torch.randn_like(p))
                 else:  # scaled by fan-in; embedding and LM head 4x, so the logits spread and greedy meets no near-ties
                     wide = "lm_head" in name or "embed" in name
                     p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5 * (4.0 if wide else 1.0))
@@ -52,8 +53,10 @@ def tiny_random_model(model_type, folder, seed=0, **config):
         model.save_pretrained(folder)
     finally:
         hf_logging.set_verbosity(verbosity)
-        if bars: hf_logging.enable_progress_bar()
-    for f in ("tokenizer.json", "tokenizer_config.json"): shutil.copy(tok_dir / f, folder / f)
+        if bars:
+            hf_logging.enable_progress_bar()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tok_dir / f, folder / f)
     return model
 
 # %% ../nbs/12a_families.ipynb #0e599dcd
@@ -237,7 +240,8 @@ def layer_kinds(d, default):
     older folders leave it out and the family's rule (`default(i)` -> sliding or not) says."""
     n = d["num_hidden_layers"]
     kinds = d.get("layer_types") or ["sliding_attention" if default(i) else "full_attention" for i in range(n)]
-    if len(kinds) != n: raise ValueError(f"layer_types has {len(kinds)} entries for {n} layers")
+    if len(kinds) != n:
+        raise ValueError(f"layer_types has {len(kinds)} entries for {n} layers")
     return tuple(kinds)
 
 def windows(d, kinds):
@@ -255,7 +259,8 @@ def describe_mistral(d):
 
 def _qwen_windows(d):
     "Qwen2/3: sliding only if `use_sliding_window`, and then the layers from `max_window_layers` on."
-    if not d.get("use_sliding_window", False): return None
+    if not d.get("use_sliding_window", False):
+        return None
     return windowed(d, layer_kinds(d, lambda i: i >= d.get("max_window_layers", 28)))
 
 def describe_qwen2(d):

@@ -85,7 +85,8 @@ def _check_paged(q, k_cache, v_cache, block_tables, seq_lens):
     if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
         raise ValueError("block_tables and seq_lens must be int32")
 
-def _launch_opts(x): return dict(num_warps=4, num_stages=2) if x.is_cuda else {}
+def _launch_opts(x):
+    return dict(num_warps=4, num_stages=2) if x.is_cuda else {}
 
 def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q, scale=None,
                       block_m=None, block_n=None):
@@ -97,7 +98,8 @@ def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
     block_m = max(block_m or (64 if q.is_cuda else 32), triton.next_power_of_2(group), 16)
     block_n = block_n or (64 if q.is_cuda else 32)
     o = torch.empty_like(q)
-    if T == 0: return o
+    if T == 0:
+        return o
     scale = D ** -0.5 if scale is None else scale
     grid = (triton.cdiv(max_seqlen_q, block_m // group), seq_lens.shape[0], Hkv)
     _prefill_kernel[grid](q, k_cache, v_cache, o, block_tables, cu_seqlens_q, seq_lens, scale * LOG2E,
@@ -248,7 +250,8 @@ def split_kv_decode(q, kv, load_kv, block_tables, seq_lens, block_size, n_kv_hea
     block_n = block_n or (64 if q.is_cuda else 32)
     num_splits = num_splits or default_num_splits(B, n_kv_heads, block_tables.shape[1] * block_size, block_n, q.device)
     o = torch.empty_like(q)
-    if B == 0: return o
+    if B == 0:
+        return o
     o_part = torch.empty(B, Hq, num_splits, BLOCK_D, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q.device)
     scale = D ** -0.5 if scale is None else scale
@@ -257,7 +260,8 @@ def split_kv_decode(q, kv, load_kv, block_tables, seq_lens, block_size, n_kv_hea
         block_tables.stride(0), Hq, LOAD_KV=load_kv, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_SIZE=block_size, D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **_launch_opts(q))
-    if num_splits == 1: return o.copy_(o_part[:, :, 0, :D])             # one split: nothing to merge
+    if num_splits == 1:
+        return o.copy_(o_part[:, :, 0, :D])             # one split: nothing to merge
     _decode_merge_kernel[(B, n_kv_heads)](o_part, lse_part, o, o.stride(0), o.stride(1), Hq,
                                           GROUP=group, BLOCK_H=triton.next_power_of_2(group), D=D, BLOCK_D=BLOCK_D,
                                           NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits))

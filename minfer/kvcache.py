@@ -21,15 +21,18 @@ class ContiguousKVCache:
 
     def __call__(self, layer, q, k, v, variant=None):
         start, end = self.length, self.length + q.shape[0]
-        if end > self.max_len: raise ValueError(f"KV cache full: {end} tokens > max_len {self.max_len}")
+        if end > self.max_len:
+            raise ValueError(f"KV cache full: {end} tokens > max_len {self.max_len}")
         self.k[layer, start:end], self.v[layer, start:end] = k, v
         lo = 0 if variant is None else variant.first_key(start)  # a layer that sees less of the past reads less
         return attend(q, self.k[layer, lo:end], self.v[layer, lo:end], variant, lo)
 
-    def advance(self, n): self.length += n
+    def advance(self, n):
+        self.length += n
 
     @property
-    def nbytes(self): return self.k.numel() * self.k.element_size() * 2
+    def nbytes(self):
+        return self.k.numel() * self.k.element_size() * 2
 
 # %% ../nbs/02a_kvcache.ipynb #55431a94
 @torch.inference_mode()
@@ -43,8 +46,10 @@ def cached_generate(model, prompt_ids, max_new_tokens, eos_ids=(), on_step=None)
         logits = model(tokens, positions, cache, logits_rows=[-1])
         cache.advance(len(tokens))
         nxt = int(logits[0].argmax())
-        if on_step: on_step(cache.length, nxt)
+        if on_step:
+            on_step(cache.length, nxt)
         out.append(nxt)
-        if nxt in eos_ids: break
+        if nxt in eos_ids:
+            break
         tokens = torch.tensor([nxt], device=model.device)
     return out

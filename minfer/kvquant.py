@@ -45,14 +45,16 @@ class KVFormat(PoolFormat):
         amax = x.abs().amax(-1)
         scale = torch.where(amax > 0, amax / self.qmax, torch.ones_like(amax))  # an all-zero vector: codes 0, scale 1
         y = x / scale[..., None]
-        if not self.storage.is_floating_point: y = y.round().clamp(-self.qmax, self.qmax)
+        if not self.storage.is_floating_point:
+            y = y.round().clamp(-self.qmax, self.qmax)
         return y.to(self.storage), scale
 
     def dequantize(self, codes, scales, dtype=torch.float32):
         "The inverse: codes * scale, in `dtype`."
         return (codes.float() * scales[..., None]).to(dtype)
 
-    def bytes_per_vector(self, head_dim): return head_dim * torch.empty(0, dtype=self.storage).element_size() + 4
+    def bytes_per_vector(self, head_dim):
+        return head_dim * torch.empty(0, dtype=self.storage).element_size() + 4
 
     def block_bytes(self, cfg, block_size):
         "Bytes of one block of K and V, all layers, scales included."
@@ -69,7 +71,8 @@ def key_rotation(head_dim):
     orthogonal matrix (QR of seeded Gaussian numbers)."""
     if head_dim & (head_dim - 1) == 0:
         h = torch.ones(1, 1)
-        while h.shape[0] < head_dim: h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+        while h.shape[0] < head_dim:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
         return h / head_dim ** 0.5
     q, r = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=torch.Generator().manual_seed(0)))
     return q * r.diagonal().sign()
@@ -95,14 +98,17 @@ class DequantizedView:
     def __init__(self, codes, scales, fmt, dtype, rotation=None):
         self.codes, self.scales, self.fmt, self.dtype, self.rotation = codes, scales, fmt, dtype, rotation
     @property
-    def shape(self): return self.codes.shape
+    def shape(self):
+        return self.codes.shape
     def view(self, *shape):
         return DequantizedView(self.codes.view(*shape), self.scales.view(*shape[:-1]), self.fmt, self.dtype,
                                self.rotation)
     def _rows(self, codes, scales):
-        if self.rotation is None: return self.fmt.dequantize(codes, scales, self.dtype)
+        if self.rotation is None:
+            return self.fmt.dequantize(codes, scales, self.dtype)
         return (self.fmt.dequantize(codes, scales) @ self.rotation.T).to(self.dtype)
-    def __getitem__(self, idx): return self._rows(self.codes[idx], self.scales[idx])
+    def __getitem__(self, idx):
+        return self._rows(self.codes[idx], self.scales[idx])
     def index_select(self, dim, idx):
         return self._rows(self.codes.index_select(dim, idx), self.scales.index_select(dim, idx))
 
@@ -122,7 +128,8 @@ class QuantizedKVCache(PagedKVCache):
         self.key_rotation = key_rotation(cfg.head_dim).to(device) if self.format.rotate_keys else None
 
     @property
-    def tensors(self): return {"k": self.k, "v": self.v, "k_scale": self.k_scale, "v_scale": self.v_scale}
+    def tensors(self):
+        return {"k": self.k, "v": self.v, "k_scale": self.k_scale, "v_scale": self.v_scale}
 
     @classmethod
     def from_budget(cls, cfg, budget_bytes, block_size=16, dtype=torch.float32, device="cpu", kv_dtype="int8"):
@@ -139,7 +146,8 @@ class QuantizedKVCache(PagedKVCache):
 
     def store(self, layer, slots, k, v):
         "Quantize the keys and values [T, kv_heads, head_dim] of T new tokens into flat slot ids `slots` of `layer`."
-        if self.key_rotation is not None: k = k.float() @ self.key_rotation
+        if self.key_rotation is not None:
+            k = k.float() @ self.key_rotation
         for codes, scales, x in ((self.k[layer], self.k_scale[layer], k), (self.v[layer], self.v_scale[layer], v)):
             q, s = self.format.quantize(x)
             codes.view(-1, *codes.shape[2:])[slots] = q  # index_put: index_copy_ has no float8 kernel on a CPU
@@ -171,7 +179,8 @@ def decode_attention_8bit(q, k_cache, v_cache, block_tables, seq_lens, num_split
     """Chapter 05a's split-KV decode over one layer of an int8 or fp8 pool, its `DequantizedView`s `k_cache`, `v_cache`
     (`QuantizedKVCache.layer`): q [B, Hq, D] -> [B, Hq, D], reading codes and scales tile by tile. Keys stored rotated
     by R are read as stored, with the query turned instead: (q R) . y = q . (y R^T)."""
-    if k_cache.rotation is not None: q = (q.float() @ k_cache.rotation).to(q.dtype)
+    if k_cache.rotation is not None:
+        q = (q.float() @ k_cache.rotation).to(q.dtype)
     k, v, k_scale, v_scale = k_cache.codes, v_cache.codes, k_cache.scales, v_cache.scales
     kv = (k, v, k_scale, v_scale, *k.stride()[:3], *v.stride()[:3], *k_scale.stride())
     return split_kv_decode(q, kv, load_scaled_tile, block_tables, seq_lens, k.shape[1], k.shape[2], num_splits, scale,

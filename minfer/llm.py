@@ -1,4 +1,4 @@
-"""The public face of minfer: one class that loads a model folder, checks every request at the door, and runs it on the engine the switches choose.
+"""The public face: one class that loads a folder, checks each request at the door, runs it on the switches' engine.
 
 Docs: https://minfer.github.io/minfer/llm.html.md"""
 
@@ -43,13 +43,17 @@ class RequestOutput:
     prompt_logprobs: list | None = None  # with SamplingParams(prompt_logprobs=k): per prompt token (None for the first)
 
     @property
-    def text(self): return self.samples[0].text
+    def text(self):
+        return self.samples[0].text
     @property
-    def token_ids(self): return self.samples[0].token_ids
+    def token_ids(self):
+        return self.samples[0].token_ids
     @property
-    def finish_reason(self): return self.samples[0].finish_reason
+    def finish_reason(self):
+        return self.samples[0].finish_reason
     @property
-    def metrics(self): return self.samples[0].metrics
+    def metrics(self):
+        return self.samples[0].metrics
 
 # %% ../nbs/07a_llm.ipynb #ff59751f
 def _refuse(name, instead):
@@ -91,7 +95,8 @@ class LLM:
         self.model = None if worker_engine(self.config) else build_model(self.config)
         self.engine = build_engine(self.config, self.model)
         eos = set(self.model_config.eos_token_id)
-        if self.tokenizer.eos_token_id is not None: eos.add(self.tokenizer.eos_token_id)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
         self.eos_ids = tuple(sorted(eos))
         if self.model is not None:
             # first-call setup (thread pools, kernels) should not count as the first request's TTFT
@@ -101,9 +106,12 @@ class LLM:
 
     def close(self):
         "Stop the engine's worker processes (pd_split=True; they also stop at exit); a no-op for in-process engines."
-        if hasattr(self.engine, "close"): self.engine.close()
-    def __enter__(self): return self
-    def __exit__(self, *exc): self.close()
+        if hasattr(self.engine, "close"):
+            self.engine.close()
+    def __enter__(self):
+        return self
+    def __exit__(self, *exc):
+        self.close()
 
     def __getattr__(self, name):
         "The resolved switches read as attributes too: `llm.dtype`, `llm.kernels`, ... (what runs, not what was asked)."
@@ -117,7 +125,8 @@ class LLM:
         return "LLM(" + ", ".join(f"{name}={value!r}" for name, value in c.items()) + ")"
 
     @property
-    def max_model_len(self): return self.model_config.max_position_embeddings
+    def max_model_len(self):
+        return self.model_config.max_position_embeddings
 
     @property
     def max_request_tokens(self):
@@ -407,19 +416,24 @@ def decode_breakdown(llm, prompt="Once upon a time", max_tokens=128):
     timed(model.norm, "norm")
     timed(model.lm_head, "head")
     own = torch.zeros(5, dtype=torch.float64)  # a one-call step's own timings, in the order of `parts` below
-    if isinstance(model, StepLlama): model.timings = own
+    if isinstance(model, StepLlama):
+        model.timings = own
     try:
         t = time.perf_counter()
         llm.generate(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), raw=True)
         sync()
         total = time.perf_counter() - t
     finally:
-        for h in hooks: h.remove()
-        if isinstance(model, StepLlama): model.timings = None
+        for h in hooks:
+            h.remove()
+        if isinstance(model, StepLlama):
+            model.timings = None
     ms = {k: v / max_tokens * 1e3 for k, v in spent.items()}
-    parts = {"layer matvecs": ms["attention matvecs"] + ms["mlp matvecs"], "LM head matvec": ms["head"], "RMSNorm": ms["norm"],
-             "RoPE + KV write + attention": ms["attention"] - ms["attention matvecs"], "SiLU × up": ms["mlp"] - ms["mlp matvecs"]}
-    for k, s in zip(parts, own.tolist()): parts[k] += s / max_tokens * 1e3
+    parts = {"layer matvecs": ms["attention matvecs"] + ms["mlp matvecs"], "LM head matvec": ms["head"],
+             "RMSNorm": ms["norm"], "RoPE + KV write + attention": ms["attention"] - ms["attention matvecs"],
+             "SiLU × up": ms["mlp"] - ms["mlp matvecs"]}
+    for k, s in zip(parts, own.tolist()):
+        parts[k] += s / max_tokens * 1e3
     parts["the rest"] = total / max_tokens * 1e3 - sum(parts.values())
     return parts
 

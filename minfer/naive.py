@@ -21,8 +21,10 @@ def naive_generate(model, prompt_ids, max_new_tokens, eos_ids=(), on_step=None):
         tokens = torch.tensor(ids, device=model.device)
         logits = model(tokens, torch.arange(len(ids), device=model.device), NoCache(), logits_rows=[-1])
         nxt = int(logits[0].argmax())
-        if on_step: on_step(len(ids), nxt)
+        if on_step:
+            on_step(len(ids), nxt)
         ids.append(nxt)
         out.append(nxt)
-        if nxt in eos_ids: break
+        if nxt in eos_ids:
+            break
     return out

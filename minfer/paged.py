@@ -41,32 +41,40 @@ class BlockAllocator:
         self.evictor = None
 
     @property
-    def num_free(self): return len(self.free_ids)
+    def num_free(self):
+        return len(self.free_ids)
     @property
-    def num_used(self): return self.num_blocks - len(self.free_ids)
+    def num_used(self):
+        return self.num_blocks - len(self.free_ids)
 
-    def blocks_needed(self, n_tokens): return -(-n_tokens // self.block_size)
+    def blocks_needed(self, n_tokens):
+        return -(-n_tokens // self.block_size)
 
     def ensure(self, n):
         "Make sure n blocks are free, evicting cached ones if there is an evictor; else raise `OutOfBlocks`."
-        if n > self.num_free and self.evictor is not None: self.evictor(n - self.num_free)
-        if n > self.num_free: raise OutOfBlocks(n, self.num_free)
+        if n > self.num_free and self.evictor is not None:
+            self.evictor(n - self.num_free)
+        if n > self.num_free:
+            raise OutOfBlocks(n, self.num_free)
 
     def allocate(self, n=1):
         self.ensure(n)
         ids = [self.free_ids.popleft() for _ in range(n)]
-        for b in ids: self.refcount[b] = 1
+        for b in ids:
+            self.refcount[b] = 1
         return ids
 
     def incref(self, ids):
         for b in ids:
-            if self.refcount[b] < 1: raise ValueError(f"block {b} is free; only allocated blocks can be shared")
+            if self.refcount[b] < 1:
+                raise ValueError(f"block {b} is free; only allocated blocks can be shared")
             self.refcount[b] += 1
 
     def free(self, ids):
         released = []
         for b in ids:
-            if self.refcount[b] < 1: raise ValueError(f"block {b} freed twice")
+            if self.refcount[b] < 1:
+                raise ValueError(f"block {b} freed twice")
             self.refcount[b] -= 1
             if self.refcount[b] == 0:
                 self.free_ids.append(b)
@@ -85,13 +93,15 @@ class BlockTable:
         self.blocks, self.num_tokens = list(blocks), num_tokens
         if num_tokens > len(self.blocks) * self.block_size:
             raise ValueError(f"{num_tokens} tokens do not fit in {len(self.blocks)} blocks")
-        if share: allocator.incref(self.blocks)
+        if share:
+            allocator.incref(self.blocks)
 
     def append_slots(self, n):
         """Reserve positions [num_tokens, num_tokens + n): copy-on-write the shared block they start in, add new blocks.
         Returns the (src, dst) block copies the caller must make in the KV tensors (`PagedKVCache.copy_blocks`).
         All or nothing: raises `OutOfBlocks` before changing the table (a prefix cache may have been evicted trying)."""
-        if n <= 0: return []
+        if n <= 0:
+            return []
         a, bs, start, end = self.allocator, self.block_size, self.num_tokens, self.num_tokens + n
         first, last = start // bs, (end - 1) // bs  # blocks that will be written
         cow = [i for i in range(first, min(last + 1, len(self.blocks))) if a.refcount[self.blocks[i]] > 1]
@@ -163,7 +173,8 @@ def build_batch_meta(seqs, block_size, device="cpu", keys=None):
         cu.append(cu[-1] + n)
         lens.append(c + n)
         if keys is not None and keys[i] is not None:
-            if n != 1: raise ValueError(f"explicit keys are for one-row entries; entry {i} has {n} rows")
+            if n != 1:
+                raise ValueError(f"explicit keys are for one-row entries; entry {i} has {n} rows")
             row_keys[i] = torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in keys[i]],
                                        dtype=torch.int64, device=device)
             lens[-1] = len(keys[i])
@@ -190,7 +201,8 @@ class PagedKVCache:
         self.allocator = BlockAllocator(num_blocks, block_size)
 
     @property
-    def tensors(self): return {"k": self.k, "v": self.v}
+    def tensors(self):
+        return {"k": self.k, "v": self.v}
 
     def layer(self, layer):
         "What attention reads of `layer`: its K and V pools [num_blocks, block_size, kv_heads, head_dim]."
@@ -201,7 +213,8 @@ class PagedKVCache:
     def from_budget(cls, cfg, budget_bytes, block_size=16, dtype=torch.float32, device="cpu"):
         "As many blocks as fit in `budget_bytes` of K and V."
         n = int(budget_bytes // cls.block_bytes(cfg, block_size, dtype))
-        if n < 1: raise ValueError(f"a KV budget of {budget_bytes} bytes holds no block of {block_size} tokens")
+        if n < 1:
+            raise ValueError(f"a KV budget of {budget_bytes} bytes holds no block of {block_size} tokens")
         return cls(cfg, n, block_size, dtype, device)
 
     @staticmethod
@@ -211,7 +224,8 @@ class PagedKVCache:
         return block_size * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * per_value
 
     @property
-    def nbytes(self): return sum(t.numel() * t.element_size() for t in self.tensors.values())
+    def nbytes(self):
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def store(self, layer, slots, k, v):
         "Write the keys and values [T, kv_heads, head_dim] of T new tokens into flat slot ids `slots` [T] of `layer`."
@@ -226,11 +240,13 @@ class PagedKVCache:
     def write_blocks(self, ids, data):
         "Overwrite blocks `ids` in every layer with `data` from `read_blocks` (of this pool or another one like it)."
         idx = torch.as_tensor(list(ids), device=self.k.device)
-        for name, t in self.tensors.items(): t[:, idx] = data[name].to(t.device)
+        for name, t in self.tensors.items():
+            t[:, idx] = data[name].to(t.device)
 
     def copy_blocks(self, copies):
         "Copy-on-write: for each (src, dst), copy block src into dst in every layer."
-        if copies: self.write_blocks([d for _, d in copies], self.read_blocks([s for s, _ in copies]))
+        if copies:
+            self.write_blocks([d for _, d in copies], self.read_blocks([s for s, _ in copies]))
 
 # %% ../nbs/03_paged.ipynb #2d4b7ed3
 class PagedAttention:
@@ -295,7 +311,8 @@ class PagedAttention:
             valid = pos < meta.seq_lens[idx, None]
             slots = meta.block_tables[idx].long()[:, pos // bs] * bs + pos % bs
             for j, i in enumerate(g):
-                if i in explicit: slots[j, :lens[i]] = explicit[i]
+                if i in explicit:
+                    slots[j, :lens[i]] = explicit[i]
             # padding reads the sequence's own first key (then masked out), never another request's data,
             # which may be inf
             slots = torch.where(valid, slots, slots[:, :1])
@@ -306,7 +323,8 @@ class PagedAttention:
     def attention(self, q, k_cache, v_cache, meta):
         """Gather K/V into contiguous tensors (or view them), then SDPA:
         one call per prefill chunk, one per group of decode rows."""
-        if self.plan is None: self.plan = self.make_plan(meta, k_cache.shape[1])
+        if self.plan is None:
+            self.plan = self.make_plan(meta, k_cache.shape[1])
         prefill, decode = self.plan
         h, d = k_cache.shape[2:]
         k_flat, v_flat = k_cache.view(-1, h, d), v_cache.view(-1, h, d)
@@ -353,7 +371,8 @@ def table_slots(blocks, n, bs, device="cpu"):
     consecutive (as when one sequence grows in a fresh pool), so `take` returns a view and copies nothing;
     else slot ids."""
     blocks = blocks[:-(-n // bs)]
-    if blocks == list(range(blocks[0], blocks[0] + len(blocks))): return slice(blocks[0] * bs, blocks[0] * bs + n)
+    if blocks == list(range(blocks[0], blocks[0] + len(blocks))):
+        return slice(blocks[0] * bs, blocks[0] * bs + n)
     return (torch.tensor(blocks, device=device)[:, None] * bs + torch.arange(bs, device=device)).flatten()[:n]
 
 def take(flat, slots):
@@ -437,10 +456,14 @@ class PagedGenerator:
                                    for p, sp in zip(prompts, params))
         return PagedKVCache(self.model.cfg, n, self.block_size, self.model.dtype, self.model.device)
 
-    def admit(self, seq): return BlockTable(self.cache.allocator)
-    def fork(self, seq, table, child): return table.fork()
-    def release(self, seq, table): table.free()
-    def abort(self, seq, table): table.free()  # its last reserved slots were never computed: keep nothing
+    def admit(self, seq):
+        return BlockTable(self.cache.allocator)
+    def fork(self, seq, table, child):
+        return table.fork()
+    def release(self, seq, table):
+        table.free()
+    def abort(self, seq, table):
+        table.free()  # its last reserved slots were never computed: keep nothing
 
     @torch.inference_mode()
     def generate(self, prompts, params=None, tokenizer=None, eos_ids=(), on_step=None):
@@ -453,7 +476,8 @@ class PagedGenerator:
                              "give one, or one per prompt")
         if any(sp.stop for sp in params) and tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass tokenizer=")
-        if self.cache is None: self.cache = self._make_cache(prompts, params)
+        if self.cache is None:
+            self.cache = self._make_cache(prompts, params)
         tok, attn, model, dev = tokenizer, PagedAttention(self.cache), self.model, self.model.device
         seed = lambda sp, j: None if sp.seed is None else sp.seed + j
         groups = [[Sequence(p, sp, tok, eos_ids, seed=seed(sp, 0), request_id=i)]
@@ -490,9 +514,11 @@ class PagedGenerator:
                 for s in [s for s in running if s.finished]:
                     self.release(s, self.tables.pop(s.id))
                     running.remove(s)
-                if on_step: on_step(self, running)
+                if on_step:
+                    on_step(self, running)
         except OutOfBlocks:
-            for s in running: self.abort(s, self.tables.pop(s.id))
+            for s in running:
+                self.abort(s, self.tables.pop(s.id))
             raise
         return groups
 
@@ -508,8 +534,10 @@ def block_holders(tables, num_blocks, cached=()):
     tables: {label: BlockTable or list of ids}."""
     holders = [[] for _ in range(num_blocks)]
     for label, t in tables.items():
-        for b in getattr(t, "blocks", t): holders[b].append(label)
-    for b in cached: holders[b].append("cache")
+        for b in getattr(t, "blocks", t):
+            holders[b].append(label)
+    for b in cached:
+        holders[b].append("cache")
     return [tuple(h) for h in holders]
 
 def draw_block_map(history, ax=None, title="physical KV blocks over time", xlabel="step"):
@@ -526,7 +554,8 @@ def draw_block_map(history, ax=None, title="physical KV blocks over time", xlabe
     ax = ax or plt.subplots(figsize=(min(12, 2 + 0.45 * steps), min(8, 1 + 0.25 * nb)))[1]
     for t, snap in enumerate(history):
         for b, hs in enumerate(snap):
-            if len(hs) == 1: img[b, t] = color[hs[0]]
+            if len(hs) == 1:
+                img[b, t] = color[hs[0]]
             elif hs:
                 img[b, t] = (0.18, 0.18, 0.22, 1.0)
                 if nb <= 40 and steps <= 40:

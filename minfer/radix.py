@@ -21,7 +21,8 @@ class RadixNode:
         self.children = {}              # first block's tokens -> child
         self.lock_ref, self.last_access = 0, 0
 
-    def __repr__(self): return f"RadixNode({len(self.key)} tokens, blocks={self.blocks}, lock_ref={self.lock_ref})"
+    def __repr__(self):
+        return f"RadixNode({len(self.key)} tokens, blocks={self.blocks}, lock_ref={self.lock_ref})"
 
 class RadixCache:
     """Token-prefix -> KV-block cache over a `BlockAllocator`, at block granularity (only whole blocks are cached).
@@ -41,7 +42,8 @@ class RadixCache:
         self._clock = itertools.count(1)
         allocator.evictor = self.evict
 
-    def _key(self, tokens, i): return tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+    def _key(self, tokens, i):
+        return tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
 
     def _split(self, node, m):
         "Cut `node` after its first m blocks; return the new upper node."
@@ -59,12 +61,14 @@ class RadixCache:
         node.last_access = now  # the root too: a new leaf hung under it takes its parent's time
         while i < n:
             child = node.children.get(self._key(tokens, i))
-            if child is None: break
+            if child is None:
+                break
             m = 0
             while (m < len(child.blocks) and i + m < n
                    and child.key[m * self.block_size:(m + 1) * self.block_size] == self._key(tokens, i + m)):
                 m += 1
-            if m < len(child.blocks): child = self._split(child, m)
+            if m < len(child.blocks):
+                child = self._split(child, m)
             node, i = child, i + m
             node.last_access = now
             blocks += node.blocks
@@ -103,7 +107,8 @@ class RadixCache:
 
     def unlock(self, node):
         while node is not self.root:
-            if node.lock_ref < 1: raise ValueError(f"{node} unlocked more often than locked")
+            if node.lock_ref < 1:
+                raise ValueError(f"{node} unlocked more often than locked")
             node.lock_ref -= 1
             node = node.parent
 
@@ -132,9 +137,11 @@ class RadixCache:
             stack += x.children.values()
 
     @property
-    def num_blocks(self): return sum(len(x.blocks) for x in self.nodes())
+    def num_blocks(self):
+        return sum(len(x.blocks) for x in self.nodes())
     @property
-    def num_tokens(self): return self.num_blocks * self.block_size
+    def num_tokens(self):
+        return self.num_blocks * self.block_size
     def evictable_blocks(self):
         "Blocks that eviction could return to the free list now (unlocked and held by nobody else)."
         return sum(1 for x in self.nodes() if x.lock_ref == 0 for b in x.blocks if self.allocator.refcount[b] == 1)
@@ -148,11 +155,13 @@ class RadixGenerator(PagedGenerator):
         self.radix, self.prefix_cache, self.locks = None, prefix_cache, {}
 
     def _ensure_radix(self):
-        if self.radix is None: self.radix = RadixCache(self.cache.allocator)
+        if self.radix is None:
+            self.radix = RadixCache(self.cache.allocator)
         return self.radix
 
     def admit(self, seq):
-        if not self.prefix_cache: return super().admit(seq)
+        if not self.prefix_cache:
+            return super().admit(seq)
         table, self.locks[seq.id] = self._ensure_radix().admit(seq.prompt_ids)
         return table
 
@@ -169,7 +178,8 @@ class RadixGenerator(PagedGenerator):
         table.free()
 
     def abort(self, seq, table):
-        if self.prefix_cache: self.radix.unlock(self.locks.pop(seq.id))
+        if self.prefix_cache:
+            self.radix.unlock(self.locks.pop(seq.id))
         table.free()
 
 # %% ../nbs/04_radix.ipynb #16604bcb
@@ -198,7 +208,8 @@ def draw_tree(radix, ax=None, fmt=None, title="radix tree"):
         x, y = pos[id(node)]
         for c in node.children.values():
             ax.plot([x, pos[id(c)][0]], [y, pos[id(c)][1]], color="0.6", zorder=1)
-        if node is radix.root: label, fc, ec = "root", "white", "0.4"
+        if node is radix.root:
+            label, fc, ec = "root", "white", "0.4"
         else:
             text = fmt(node.key)
             label = (text if len(text) <= 22 else text[:20] + "…") + f"\nblocks {node.blocks}"
@@ -238,7 +249,8 @@ def stepper_start(requests, num_blocks=12, block_size=2):
 def stepper_step(state):
     """Serve the next request on a copy of `state` (match, compute the rest, evicting if short, cache, release);
     return the copy."""
-    if state.step >= len(state.requests): return state
+    if state.step >= len(state.requests):
+        return state
     s = copy.deepcopy(state)
     tokens, a, r = s.requests[s.step], s.allocator, s.radix
     t, node = r.admit(tokens)  # as in the engine: a full hit recomputes the last token
@@ -248,7 +260,8 @@ def stepper_step(state):
     try:
         t.append_slots(len(tokens) - n)
         for b in t.blocks:
-            if b not in own: s.origin[b] = s.step
+            if b not in own:
+                s.origin[b] = s.step
         added = len(tokens) // a.block_size - r.insert(tokens, t.blocks)[0] // a.block_size
         entry["evicted"] = cached_before + added - r.num_blocks
     except OutOfBlocks as e:

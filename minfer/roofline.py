@@ -95,7 +95,8 @@ class PackedLinear(nn.Module):
 
 # %% ../nbs/00b_roofline.ipynb #939ca998
 def _median_time(fn, repeat=7, warmup=2):
-    for _ in range(warmup): fn()
+    for _ in range(warmup):
+        fn()
     ts = []
     for _ in range(repeat):
         t = time.perf_counter()
@@ -118,7 +119,8 @@ def measure_matmul_flops(n=1024, dtype="float32", device="cpu"):
     return 2 * n**3 / _median_time(lambda: (a @ b, sync()))
 
 def measure_matvec_bandwidth(cfg, dtype="float32", device="cpu", packed=False, op=None):
-    """Bytes/s that one-token matrix-vector products reach on the model's own weight shapes (the practical decode ceiling).
+    """Bytes/s that one-token matrix-vector products reach on the model's own weight shapes (the practical decode
+    ceiling).
     packed=False: `F.linear`, PyTorch's default; packed=True: oneDNN on pre-packed weights (`PackedLinear`, fp32 CPU);
     op: `op(w)` -> a function of x to measure instead (a later chapter's own matvec)."""
     dt, h = getattr(torch, dtype), cfg.hidden_size
@@ -131,7 +133,8 @@ def measure_matvec_bandwidth(cfg, dtype="float32", device="cpu", packed=False, o
     xs = {s[1]: torch.randn(1, s[1], dtype=dt, device=device) for s in shapes}
     sync = torch.cuda.synchronize if mats[0].is_cuda else (lambda: None)
     def step():
-        for w, op in zip(mats, ops): op(xs[w.shape[1]])
+        for w, op in zip(mats, ops):
+            op(xs[w.shape[1]])
         sync()
     nbytes = sum(w.numel() * w.element_size() for w in mats)
     return nbytes / _median_time(step, repeat=9)
@@ -170,7 +173,8 @@ register_weight_format(WeightFormat(
 
 # %% ../nbs/00b_roofline.ipynb #496832c1
 def plot_roofline(peak_flops, bandwidth, points=(), ax=None, title="roofline"):
-    "Log-log roofline: attainable FLOP/s vs arithmetic intensity; `points` are (label, intensity, achieved FLOP/s or None)."
+    """Log-log roofline: attainable FLOP/s vs arithmetic intensity; `points` are (label, intensity, achieved FLOP/s
+    or None)."""
     import numpy as np, matplotlib.pyplot as plt
     ax = ax or plt.subplots(figsize=(6, 4))[1]
     ai = np.logspace(-1, 4, 200)
@@ -224,8 +228,8 @@ def measured_device(name="this machine", bandwidth=None, flops=None, device="cpu
     return Device(name, bandwidth, flops)
 
 # model shapes from their config.json files (hidden, MLP, layers, query heads, KV heads, head dim)
-MODELS = {name: ModelConfig(vocab_size=v, hidden_size=h, intermediate_size=i, num_hidden_layers=l, num_attention_heads=q,
-                            num_key_value_heads=kv, head_dim=d, tie_word_embeddings=tied)
+MODELS = {name: ModelConfig(vocab_size=v, hidden_size=h, intermediate_size=i, num_hidden_layers=l,
+                            num_attention_heads=q, num_key_value_heads=kv, head_dim=d, tie_word_embeddings=tied)
           for name, (v, h, i, l, q, kv, d, tied) in {
               "SmolLM2-135M": (49152, 576, 1536, 30, 9, 3, 64, True),
               "Llama-3.2-1B": (128256, 2048, 8192, 16, 32, 8, 64, True),
@@ -250,10 +254,13 @@ def decode_roofline(model, dtype="bfloat16", batch=1, context=0, device="H100 SX
     `device`: a `Device` or a name in `devices` (default `DEVICES`)."""
     if isinstance(device, str):
         devices = DEVICES if devices is None else devices
-        if device not in devices: raise ValueError(f"device {device!r} is unknown; use one of {', '.join(devices)} or pass a Device")
+        if device not in devices:
+            raise ValueError(f"device {device!r} is unknown; use one of {', '.join(devices)} or pass a Device")
     dev = device if isinstance(device, Device) else devices[device]
-    if dtype not in DTYPE_BYTES: raise ValueError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPE_BYTES)}")
-    if batch < 1 or context < 0: raise ValueError(f"batch must be >= 1 and context >= 0, got batch={batch}, context={context}")
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPE_BYTES)}")
+    if batch < 1 or context < 0:
+        raise ValueError(f"batch must be >= 1 and context >= 0, got batch={batch}, context={context}")
     # K and V are stored in a float dtype: the weights' where they are floats, bf16 beside integer weights
     kv_stored = dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16"
     if isinstance(model, ModelConfig):
@@ -279,9 +286,12 @@ def plot_decode_roofline(model="Llama-3.1-8B", dtype="bfloat16", batch=1, contex
     devices, models = DEVICES if devices is None else devices, MODELS if models is None else models
     dev = device if isinstance(device, Device) else devices[device]
     cfg = models[model] if isinstance(model, str) else model
-    if isinstance(model, str): name = model
-    elif isinstance(model, ModelConfig): name = "model"
-    else: name = f"{model/1e9:g}B parameters"
+    if isinstance(model, str):
+        name = model
+    elif isinstance(model, ModelConfig):
+        name = "model"
+    else:
+        name = f"{model/1e9:g}B parameters"
     r = decode_roofline(cfg, dtype, batch, context, dev)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     plot_roofline(dev.peak(dtype), dev.bandwidth, [(f"decode, batch {batch}", r.intensity, None)], ax=ax1,
@@ -310,7 +320,8 @@ def roofline_explorer(devices=None, models=None):
         display(fig)
         plt.close(fig)
         return decode_roofline(models[model], dtype, batch, context, devices[device])
-    shown = widgets.interact(show, model=widgets.Dropdown(options=list(models), value="Llama-3.1-8B" if "Llama-3.1-8B" in models else list(models)[0]),
+    first = "Llama-3.1-8B" if "Llama-3.1-8B" in models else list(models)[0]
+    shown = widgets.interact(show, model=widgets.Dropdown(options=list(models), value=first),
                              dtype=widgets.Dropdown(options=list(DTYPE_BYTES), value="bfloat16"),
                              batch=widgets.SelectionSlider(options=BATCHES, value=1),
                              context=widgets.SelectionSlider(options=CONTEXTS, value=2048),
@@ -349,15 +360,19 @@ class Ledger:
         self.flops += 2 * n * (p["attention"] + p["mlp"]) + 2 * rows * cfg.vocab_size * cfg.hidden_size \
                       + 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * attn
 
-    def generated(self, n=1): self.tokens_out += n
+    def generated(self, n=1):
+        self.tokens_out += n
 
     @property
-    def total_bytes(self): return self.weight_bytes + self.kv_read_bytes + self.kv_write_bytes + self.activation_bytes
+    def total_bytes(self):
+        return self.weight_bytes + self.kv_read_bytes + self.kv_write_bytes + self.activation_bytes
     @property
-    def bytes_per_token(self): return self.total_bytes / max(self.tokens_out, 1)
+    def bytes_per_token(self):
+        return self.total_bytes / max(self.tokens_out, 1)
     def summary(self):
         t = max(self.tokens_out, 1)
-        return {k: getattr(self, k) / t for k in ("weight_bytes", "kv_read_bytes", "kv_write_bytes", "activation_bytes", "flops")}
+        names = ("weight_bytes", "kv_read_bytes", "kv_write_bytes", "activation_bytes", "flops")
+        return {k: getattr(self, k) / t for k in names}
 
 # %% ../nbs/00b_roofline.ipynb #7ff3013e
 import json, re
@@ -390,7 +405,8 @@ class Scoreboard:
     def __init__(self, machines, points=(), no_point=None, gflops_per_token=None):
         self.machines, self.points, self.no_point = dict(machines), [], dict(no_point or {})
         self.gflops_per_token = gflops_per_token  # the model's FLOPs per token, for the machines' compute roofs
-        for p in points: self.add(p)
+        for p in points:
+            self.add(p)
 
     @classmethod
     def load(cls, path=None):
@@ -408,7 +424,8 @@ class Scoreboard:
         except TypeError as e:  # a missing or misspelt field
             raise ValueError(f"scoreboard point {dict(point).get('chapter')!r}: {e}") from None
         where = f"scoreboard point {p.chapter!r} {p.technique!r}"
-        if not re.fullmatch(r"\d\d[a-z]?", str(p.chapter)): raise ValueError(f"{where}: chapter must look like '05c'")
+        if not re.fullmatch(r"\d\d[a-z]?", str(p.chapter)):
+            raise ValueError(f"{where}: chapter must look like '05c'")
         if p.machine not in self.machines:
             raise ValueError(f"{where}: machine {p.machine!r} is unknown; use one of {', '.join(self.machines)}")
         if p.dtype not in DTYPE_BYTES:
@@ -449,7 +466,8 @@ class Scoreboard:
     def report(self, chapter):
         "One line per point of `chapter` (or why it has none)."
         own = [p for p in self.points if p.chapter == chapter]
-        if not own: return [f"chapter {chapter}: no point; {self.no_point.get(chapter, 'not on the scoreboard')}"]
+        if not own:
+            return [f"chapter {chapter}: no point; {self.no_point.get(chapter, 'not on the scoreboard')}"]
         lines = []
         for p in own:
             share = ""
@@ -467,12 +485,14 @@ class Scoreboard:
         ceiling (bandwidth and, where its matmul rate was measured, compute); print that chapter's points."""
         import numpy as np, matplotlib.pyplot as plt
         points = self.upto(upto)
-        if upto: print("\n".join(self.report(upto)))
+        if upto:
+            print("\n".join(self.report(upto)))
         ax = ax or plt.subplots(figsize=(8, 4.6))[1]
         mb = np.logspace(0.5, 3.2, 100)
         markers = dict(zip(self.machines, "osD^v"))
         for k, (key, m) in enumerate(self.machines.items()):
-            if not any(p.machine == key for p in points) or not m.get("bandwidth_gbs"): continue
+            if not any(p.machine == key for p in points) or not m.get("bandwidth_gbs"):
+                continue
             roof = m["bandwidth_gbs"] * 1e3 / mb
             label = f"ceiling, {m['short']}: {m['bandwidth_gbs']} GB/s / bytes"
             if m.get("fp32_gflops") and self.gflops_per_token:

@@ -74,7 +74,8 @@ class SamplingParams:
             setattr(self, f.name, kwargs.pop(f.name, f.default))
         given = {**(kwargs.pop("options", None) or {}), **kwargs}  # `options=` too: `dataclasses.replace` passes it
         self.options = {name: value for name, value in given.items() if value is not None}
-        if isinstance(self.stop, str): self.stop = [self.stop]
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.validate()
         if self.temperature < SAMPLING_EPS:
@@ -96,7 +97,8 @@ class SamplingParams:
             super().__setattr__(name, value)
 
     def validate(self):
-        def bad(what, allowed): raise ValueError(f"SamplingParams.{what} is invalid; {allowed}")
+        def bad(what, allowed):
+            raise ValueError(f"SamplingParams.{what} is invalid; {allowed}")
         num, integer = (int, float), lambda v: isinstance(v, int) and not isinstance(v, bool)
         if not isinstance(self.temperature, num) or not 0 <= self.temperature <= 100:
             bad(f"temperature={self.temperature!r}", "use a number in [0, 100] (0 = greedy)")
@@ -106,7 +108,8 @@ class SamplingParams:
             bad(f"top_k={self.top_k!r}", "use an integer >= 1, or 0 / -1 for no top-k")
         if not integer(self.max_tokens) or self.max_tokens < 1:
             bad(f"max_tokens={self.max_tokens!r}", "use an integer >= 1")
-        if not integer(self.n) or not 1 <= self.n <= 64: bad(f"n={self.n!r}", "use an integer in [1, 64]")
+        if not integer(self.n) or not 1 <= self.n <= 64:
+            bad(f"n={self.n!r}", "use an integer in [1, 64]")
         if self.seed is not None and (not integer(self.seed) or self.seed < 0):
             bad(f"seed={self.seed!r}", "use a non-negative integer or None")
         if not all(isinstance(s, str) and s for s in self.stop):
@@ -162,7 +165,8 @@ def logprob_entries(logits, tokens, k):
     k most likely tokens of that row (vLLM's `logprobs=k` entry)."""
     lp = torch.log_softmax(logits.float(), -1)
     actual = lp.gather(-1, torch.as_tensor(tokens, device=lp.device).view(-1, 1))[:, 0].tolist()
-    if not k: return [{t: a} for t, a in zip(tokens, actual)]
+    if not k:
+        return [{t: a} for t, a in zip(tokens, actual)]
     top = lp.topk(k, -1)
     ids, values = top.indices.tolist(), top.values.tolist()
     return [{t: a, **{i: v for i, v in zip(row_ids, row_values) if i != t}}
@@ -183,7 +187,9 @@ def add_prompt_logprobs(seq, start, logits):
     token start + r + 1). Entries it already has (a prefix recomputed after preemption) are kept; rows past the prompt
     are ignored."""
     first, last = len(seq.prompt_logprobs), min(len(seq.prompt_ids) - 1, start + len(logits))  # prompt positions to add
-    if first > last: return
-    if first <= start: raise RuntimeError(f"prompt logprobs of positions {first}..{start} were never computed")
+    if first > last:
+        return
+    if first <= start:
+        raise RuntimeError(f"prompt logprobs of positions {first}..{start} were never computed")
     seq.prompt_logprobs += logprob_entries(logits[first - 1 - start:last - start], seq.prompt_ids[first:last + 1],
                                            seq.params.prompt_logprobs)

@@ -63,7 +63,8 @@ class Scheduler:
         seq.forks = list(forks)
         self.waiting.append(seq)
 
-    def has_unfinished(self): return bool(self.waiting or self.running)
+    def has_unfinished(self):
+        return bool(self.waiting or self.running)
 
     # ---- admission and release -------------------------------------------------------------
     def _admit(self, seq):
@@ -74,14 +75,18 @@ class Scheduler:
         else:
             seq.block_table = BlockTable(self.allocator)
         seq.num_computed = seq.block_table.num_tokens
-        if not seq.output_ids: seq.metrics.num_cached_tokens = seq.num_computed
+        if not seq.output_ids:
+            seq.metrics.num_cached_tokens = seq.num_computed
 
     def _release(self, seq, cache_it=True):
         "Return a sequence's blocks; with the prefix cache, keep its computed whole blocks in the tree first."
-        if seq.block_table is None: return
+        if seq.block_table is None:
+            return
         if self.radix is not None:
-            if cache_it: self.radix.insert(seq.token_ids[:seq.num_computed], seq.block_table.blocks)
-            if seq.radix_node is not None: self.radix.unlock(seq.radix_node)
+            if cache_it:
+                self.radix.insert(seq.token_ids[:seq.num_computed], seq.block_table.blocks)
+            if seq.radix_node is not None:
+                self.radix.unlock(seq.radix_node)
             seq.radix_node = None
         seq.block_table.free()
         seq.block_table = None
@@ -96,17 +101,21 @@ class Scheduler:
 
     def finish(self, seq):
         "A sequence finished (or was aborted): release it and its not-yet-started forks."
-        if seq in self.running: self.running.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
         self._release(seq, cache_it=seq.status == "finished")
-        for f in seq.forks: f.abort()
+        for f in seq.forks:
+            f.abort()
 
     def abort(self, seq_id):
         """Abort a sequence wherever it is (aborting a sequence also aborts its not-yet-started forks);
         blocks return at once."""
         for s in list(self.waiting) + list(self.running):
             for f in s.forks:
-                if f.id == seq_id: f.abort()
-            if s.id != seq_id: continue
+                if f.id == seq_id:
+                    f.abort()
+            if s.id != seq_id:
+                continue
             s.abort()
             if s in self.waiting:
                 self.waiting.remove(s)
@@ -122,7 +131,8 @@ def schedule(self: Scheduler):
     decoding = lambda s: s.num_computed == len(s) - 1
     # 1 + 2: running sequences, decodes before unfinished prefills, oldest first within each
     for seq in [s for s in self.running if decoding(s)] + [s for s in self.running if not decoding(s)]:
-        if seq not in self.running or budget == 0: continue  # preempted earlier in this loop
+        if seq not in self.running or budget == 0:
+            continue  # preempted earlier in this loop
         # its due tokens (1 for a decode), then those it wants ahead of them: the budget may cut those short
         due = len(seq) - seq.num_computed
         n = min(due + ahead.get(seq, 0), budget)
@@ -136,7 +146,8 @@ def schedule(self: Scheduler):
                     continue
                 victims = [s for s in self.running if s.id not in done]
                 self._preempt(victims[-1])  # the newest not yet scheduled; may be `seq` itself
-                if victims[-1] is seq: break
+                if victims[-1] is seq:
+                    break
         if seq in self.running:
             batch.append((seq, n))
             done.add(seq.id)
@@ -163,7 +174,8 @@ def schedule(self: Scheduler):
         self.waiting.popleft()
         self.running.append(seq)
         seq.status = "running"
-        if seq.metrics.first_scheduled_time is None: seq.metrics.first_scheduled_time = time.perf_counter()
+        if seq.metrics.first_scheduled_time is None:
+            seq.metrics.first_scheduled_time = time.perf_counter()
         batch.append((seq, n))
         budget -= n
     return batch, copies
@@ -184,12 +196,14 @@ def postprocess(self: Scheduler, batch, sampled, kept=None):
         seq.num_computed += kept.get(seq, n)
     got = list(dict.fromkeys(seq for seq, _, _ in sampled))
     for seq in got:
-        if seq.output_ids: seq.metrics.num_decode_passes += 1
+        if seq.output_ids:
+            seq.metrics.num_decode_passes += 1
     last = {seq: i for i, (seq, _, _) in enumerate(sampled)}  # where each sequence's run of tokens ends
     for i, (seq, token, logprobs) in enumerate(sampled):
         if seq.finished:  # stopped earlier in its run of tokens
             continue
-        if seq.forks: self._start_forks(seq)
+        if seq.forks:
+            self._start_forks(seq)
         with seq.isolated("detokenizing and checking stop rules"):
             seq.append(token, logprobs, jump=i == last[seq])  # forced tokens go after the run, not inside it
         seq.metrics.bytes_per_token = seq.bytes_moved / len(seq.output_ids)

@@ -34,16 +34,19 @@ class RequestMetrics:
     extra: dict = field(default_factory=dict)  # what a later chapter measures for it, by name (`REQUEST_METRICS`)
 
     @property
-    def queue_time(self): return (self.first_scheduled_time or self.arrival_time) - self.arrival_time
+    def queue_time(self):
+        return (self.first_scheduled_time or self.arrival_time) - self.arrival_time
     @property
-    def ttft(self): return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+    def ttft(self):
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
     @property
     def tpot(self):
         n = self.num_generated_tokens - 1
         return None if n < 1 or self.finish_time is None else (self.finish_time - self.first_token_time) / n
     @property
     def tokens_per_s(self):
-        if self.finish_time is None: return None
+        if self.finish_time is None:
+            return None
         return self.num_generated_tokens / max(self.finish_time - self.arrival_time, 1e-9)
     @property
     def tokens_per_pass(self):
@@ -104,18 +107,25 @@ class Sequence:
         self.prompt_ids = list(self.prompt_ids)
         self.eos_ids = set() if self.params.ignore_eos else set(self.eos_ids)
         self.max_len = self.max_len or (len(self.prompt_ids) + self.params.max_tokens)
-        if self.seed is None: self.seed = self.params.seed if self.params.seed is not None else random.getrandbits(62)
-        if self.params.logprobs is not None: self.logprobs = []
-        if self.params.prompt_logprobs is not None: self.prompt_logprobs = [None]
+        if self.seed is None:
+            self.seed = self.params.seed if self.params.seed is not None else random.getrandbits(62)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
         self.metrics = RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(self.prompt_ids))
 
-    def __getstate__(self): return {**self.__dict__, "tokenizer": None}
+    def __getstate__(self):
+        return {**self.__dict__, "tokenizer": None}
 
     @property
-    def token_ids(self): return self.prompt_ids + self.output_ids
-    def __len__(self): return len(self.prompt_ids) + len(self.output_ids)
+    def token_ids(self):
+        return self.prompt_ids + self.output_ids
+    def __len__(self):
+        return len(self.prompt_ids) + len(self.output_ids)
     @property
-    def finished(self): return self.status in ("finished", "aborted")
+    def finished(self):
+        return self.status in ("finished", "aborted")
 
     def token_generator(self, ahead=0, device="cpu"):
         """The random generator for the next token (or one `ahead` of it): seeded by (seed, its index in the output),
@@ -130,11 +140,14 @@ class Sequence:
         a verified run of guessed tokens: only after its last, chapter 10.) A sequence that reports logprobs takes no
         forced tokens: each of its tokens is sampled, so each has its distribution."""
         now = time.perf_counter()
-        if not self.output_ids: self.metrics.first_token_time = now
+        if not self.output_ids:
+            self.metrics.first_token_time = now
         self.output_ids.append(token)
-        if self.logprobs is not None: self.logprobs.append(logprobs)
+        if self.logprobs is not None:
+            self.logprobs.append(logprobs)
         self.metrics.num_generated_tokens = len(self.output_ids)
-        if token in self.eos_ids: return self._finish("stop", now)
+        if token in self.eos_ids:
+            return self._finish("stop", now)
         processor = self.logits_processor
         if processor is not None:
             processor.accept(token)
@@ -147,7 +160,8 @@ class Sequence:
                 self.text = self.text[:min(found)]
                 return self._finish("stop", now)
         if len(self.output_ids) >= self.params.max_tokens or len(self) >= self.max_len:
-            if self.tokenizer is not None: self._detokenize(final=True)
+            if self.tokenizer is not None:
+                self._detokenize(final=True)
             return self._finish("length", now)
         if processor is not None and processor.done:  # nothing may follow
             if self.tokenizer is not None:

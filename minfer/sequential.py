@@ -27,18 +27,22 @@ class SequentialEngine:
     def add(self, seq, forks=()):
         "Queue a sequence; `forks` (further samples of the same prompt) simply run after it, each on its own."
         self.waiting += [seq, *forks]
-    def has_unfinished(self): return self.current is not None or bool(self.waiting)
+    def has_unfinished(self):
+        return self.current is not None or bool(self.waiting)
 
     def abort(self, seq_id):
         for s in [self.current, *self.waiting]:
-            if s is not None and s.id == seq_id: s.abort()
+            if s is not None and s.id == seq_id:
+                s.abort()
 
     @torch.inference_mode()
     def step(self):
         "Advance the current sequence by one token; returns the sequences that changed this step."
-        if self.current is None or self.current.finished: self._next()
+        if self.current is None or self.current.finished:
+            self._next()
         seq = self.current
-        if seq is None: return []
+        if seq is None:
+            return []
         model, dev = self.model, self.model.device
         start, attn = (0, NoCache()) if self.kv == "none" else (self.cache.length, self.cache)
         tokens = seq.token_ids[start:]
@@ -46,7 +50,8 @@ class SequentialEngine:
         all_rows = seq.prompt_logprobs is not None and not seq.output_ids
         logits = model(torch.tensor(tokens, device=dev), torch.arange(start, start + len(tokens), device=dev), attn,
                        logits_rows=None if all_rows else [-1])
-        if self.kv != "none": self.cache.advance(len(tokens))
+        if self.kv != "none":
+            self.cache.advance(len(tokens))
         for ledger in (self.ledger, seq.ledger):
             ledger.record([len(tokens)], [start], logits_rows=len(logits), cached=self.kv != "none")
             ledger.generated()
@@ -55,13 +60,15 @@ class SequentialEngine:
                 add_prompt_logprobs(seq, start, logits)
             seq.append(*sample_next(seq, logits[-1]))
         seq.metrics.bytes_per_token = seq.ledger.bytes_per_token
-        if seq.finished: self.current = self.cache = None
+        if seq.finished:
+            self.current = self.cache = None
         return [seq]
 
     def _next(self):
         self.waiting = [s for s in self.waiting if not s.finished]  # drop aborted
         self.current = self.waiting.pop(0) if self.waiting else None
-        if self.current is None: return
+        if self.current is None:
+            return
         seq = self.current
         seq.status, seq.metrics.first_scheduled_time = "running", time.perf_counter()
         seq.ledger = Ledger(self.model.cfg, self.ledger.dtype, projection_bits=self.ledger.projection_bits)

@@ -323,7 +323,8 @@ class EngineLoop:
 
 # %% ../nbs/07c_serve.ipynb #df1fd45a
 class _EngineCollector:
-    def __init__(self, stats): self.stats = stats
+    def __init__(self, stats):
+        self.stats = stats
 
     def collect(self):
         s = self.stats()
@@ -331,10 +332,12 @@ class _EngineCollector:
                   ("minfer_kv_blocks_total", "KV-cache blocks in the pool", "blocks_total"),
                   ("minfer_requests_running", "requests with unfinished sequences", "requests_running"),
                   ("minfer_requests_waiting", "of those, requests not yet scheduled", "requests_waiting"))
-        for name, help, key in gauges: yield GaugeMetricFamily(name, help, value=s.get(key, 0))
+        for name, help, key in gauges:
+            yield GaugeMetricFamily(name, help, value=s.get(key, 0))
         counters = (("minfer_preemptions", "sequences preempted for KV space", "preemptions"),
                     ("minfer_engine_steps", "engine steps (packed forward passes)", "steps"))
-        for name, help, key in counters: yield CounterMetricFamily(name, help, value=s.get(key, 0))
+        for name, help, key in counters:
+            yield CounterMetricFamily(name, help, value=s.get(key, 0))
 
 class ServerMetrics:
     "The server's Prometheus metrics, in a registry of its own."
@@ -353,7 +356,8 @@ class ServerMetrics:
         self.e2e = Histogram("minfer_e2e_request_latency_seconds", "arrival to last token", buckets=seconds, registry=r)
         r.register(_EngineCollector(stats))
 
-    def text(self): return generate_latest(self.registry)
+    def text(self):
+        return generate_latest(self.registry)
 
 # ### The server
 #

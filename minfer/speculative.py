@@ -73,7 +73,8 @@ def ngram_propose(tokens, k, n_min=3, n_max=5):
     for n in range(min(n_max, len(arr) - 1), n_min - 1, -1):
         e = ends[ends >= n - 1]
         hits = (arr[e[:, None] + np.arange(1 - n, 1)] == arr[-n:]).all(1).nonzero()[0]
-        if len(hits): return arr[e[hits[0]] + 1:e[hits[0]] + 1 + k].tolist()
+        if len(hits):
+            return arr[e[hits[0]] + 1:e[hits[0]] + 1 + k].tolist()
     return []
 
 @dataclass
@@ -119,8 +120,10 @@ def rejection_sample(target_probs, draft_ids, draft_probs, generators):
         if draft_probs is None:
             residual = p.clone()
             residual[d] = 0  # max(0, p - onehot(d))
-        else: residual = (p - draft_probs[j]).clamp_min(0)
-        if float(residual.sum()) <= 0: residual = p  # only when p == q, where nothing is ever rejected
+        else:
+            residual = (p - draft_probs[j]).clamp_min(0)
+        if float(residual.sum()) <= 0:
+            residual = p  # only when p == q, where nothing is ever rejected
         return out + [int(torch.multinomial(residual, 1, generator=generators[j]))]
     return out + [int(torch.multinomial(target_probs[len(draft_ids)], 1, generator=generators[len(draft_ids)]))]
 
@@ -155,9 +158,11 @@ def speculation_lengths(alphas, caps, curve=STEP_TIMES, pass_cost=0.0):
         for n, (gain, _) in enumerate(gains, 1):
             tokens += gain
             rate = tokens / (times[n] + pass_cost * depth)
-            if rate > best_rate: best, best_rate = gains[:n], rate
+            if rate > best_rate:
+                best, best_rate = gains[:n], rate
     ks = [0] * len(alphas)
-    for _, i in best: ks[i] += 1
+    for _, i in best:
+        ks[i] += 1
     return ks
 
 def step_time(rows, curve=STEP_TIMES):
@@ -393,7 +398,8 @@ def processed_rows(processor, logits, guesses):
     rows, walked = [], 0
     for j in range(len(guesses) + 1):
         rows.append(processor.mask(logits[j]))
-        if j == len(guesses) or not torch.isfinite(rows[-1][guesses[j]]): break
+        if j == len(guesses) or not torch.isfinite(rows[-1][guesses[j]]):
+            break
         processor.accept(guesses[j])
         walked += 1
     processor.rollback(walked)
@@ -520,7 +526,8 @@ class Speculator(Lookahead):
             out = []
             for j, d in enumerate(drafts + [None]):
                 out.append(sample(logits[j], params))
-                if out[-1] != d: break
+                if out[-1] != d:
+                    break
         else:
             probs = torch.stack([sampling_probs(row, params) for row in logits])
             gens = [seq.token_generator(ahead=j, device=logits.device) for j in range(len(drafts) + 1)]
@@ -578,8 +585,10 @@ class DraftProposer:
         table.truncate(min(same, table.num_tokens, len(ids) - 1))
         self.tables[seq.id] = (table, ids[:table.num_tokens])
         start = table.num_tokens
-        try: table.append_slots(len(ids) + k - 1 - start)
-        except OutOfBlocks: return None
+        try:
+            table.append_slots(len(ids) + k - 1 - start)
+        except OutOfBlocks:
+            return None
         self.tables[seq.id] = (table, ids)
         return table, start
 
@@ -589,12 +598,14 @@ class DraftProposer:
 
     def propose(self, seqs, ks):
         live = {s.id for s in seqs}
-        for sid in [i for i in self.tables if i not in live]: self.tables.pop(sid)[0].free()
+        for sid in [i for i in self.tables if i not in live]:
+            self.tables.pop(sid)[0].free()
         jobs, work = [], []  # (seq, k, table) and what its next draft pass computes
         drafts = {s: Draft([], []) for s in seqs}  # its distributions are stacked at the end
         for s, k in zip(seqs, ks):
             got = self._catch_up(s, k) if k else None
-            if got is None: continue
+            if got is None:
+                continue
             jobs.append((s, k, got[0]))
             work.append((got[0], got[1], s.token_ids[got[1]:]))
         while jobs:

@@ -70,7 +70,8 @@ class GrammarConstraint:
     def allowed(self):
         "[vocab] bool: the tokens the grammar allows next."
         self.matcher.unsafe_compute_mask_ptr(self.bitmask.data_ptr(), self.bitmask.numel() * 4)
-        if self.matcher.is_error(): raise RuntimeError(f"grammar state broken: {self.matcher.get_error()}")
+        if self.matcher.is_error():
+            raise RuntimeError(f"grammar state broken: {self.matcher.get_error()}")
         # bit t % 32 of word t // 32: on a little-endian machine, bit t of the bytes read least significant first
         bits = np.unpackbits(self.bitmask.numpy().view(np.uint8), bitorder="little")[:self.vocab_size]
         return torch.from_numpy(bits.view(np.bool_))
@@ -90,8 +91,10 @@ class GrammarConstraint:
         return self.matcher.compute_ff_tokens() if self.jump_forward and not self.matcher.is_stopped() else []
 
     @property
-    def done(self): return self.matcher.is_stopped()
-    def rollback(self, n): self.matcher.rollback(n)
+    def done(self):
+        return self.matcher.is_stopped()
+    def rollback(self, n):
+        self.matcher.rollback(n)
 
 # %% ../nbs/14_structured.ipynb #s14exp2
 @functools.lru_cache(maxsize=256)
@@ -99,7 +102,8 @@ def _compile(kind, grammar, tokenizer, eos_ids):
     "A validated matcher at the start of `grammar` (llguidance's JSON form), cached: each sequence copies it."
     lltok = grammar_tokenizer(tokenizer, eos_ids)
     error = llguidance.LLMatcher.validate_grammar(grammar, lltok)
-    if error: raise ValueError(f"structured_outputs {kind}: {_one_line(error)}")
+    if error:
+        raise ValueError(f"structured_outputs {kind}: {_one_line(error)}")
     return llguidance.LLMatcher(lltok, grammar, log_level=0)
 
 def constraint_factory(kind, grammar, tokenizer, eos_ids, jump_forward):
@@ -110,12 +114,16 @@ def constraint_factory(kind, grammar, tokenizer, eos_ids, jump_forward):
 def json_grammar(schema):
     "A JSON schema (a dict, or its JSON text) -> llguidance's grammar."
     if isinstance(schema, str):
-        try: schema = json.loads(schema)
-        except json.JSONDecodeError as e: raise ValueError(f"structured_outputs json: not valid JSON ({e})") from None
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"structured_outputs json: not valid JSON ({e})") from None
     if not isinstance(schema, (dict, bool)):
         raise ValueError(f"structured_outputs json: a schema is a JSON object, got {type(schema).__name__}")
-    try: return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-    except (ValueError, TypeError) as e: raise ValueError(f"structured_outputs json: {_one_line(e)}") from None
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"structured_outputs json: {_one_line(e)}") from None
 
 def regex_escape(text):
     "`text` as a regex matching itself (llguidance's Rust syntax lets any ASCII punctuation be escaped)."
@@ -130,7 +138,8 @@ def _json(value, tokenizer, eos_ids, jump_forward):
     return constraint_factory("json", json_grammar(value), tokenizer, eos_ids, jump_forward)
 
 def _json_object(value, tokenizer, eos_ids, jump_forward):
-    if value is not True: raise ValueError(f"structured_outputs json_object: use True, got {json.dumps(value)[:60]}")
+    if value is not True:
+        raise ValueError(f"structured_outputs json_object: use True, got {json.dumps(value)[:60]}")
     return constraint_factory("json_object", json_grammar({"type": "object"}), tokenizer, eos_ids, jump_forward)
 
 def _regex(value, tokenizer, eos_ids, jump_forward):
@@ -148,8 +157,10 @@ def _grammar(value, tokenizer, eos_ids, jump_forward):
     "A Lark grammar (llguidance's and vLLM's guidance dialect), or a GBNF one (llama.cpp's: rules written `::=`)."
     text = _text("grammar", value)
     if "::=" in text:
-        try: text = gbnf_to_lark(text)
-        except Exception as e: raise ValueError(f"structured_outputs grammar (GBNF): {_one_line(e)}") from None
+        try:
+            text = gbnf_to_lark(text)
+        except Exception as e:
+            raise ValueError(f"structured_outputs grammar (GBNF): {_one_line(e)}") from None
     return constraint_factory("grammar", llguidance.LLMatcher.grammar_from_lark(text), tokenizer, eos_ids, jump_forward)
 
 STRUCTURED_OUTPUTS.update(json=_json, json_object=_json_object, regex=_regex, choice=_choice, grammar=_grammar)

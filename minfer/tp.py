@@ -73,7 +73,8 @@ def _linear(weight, bias=None):
     "An `nn.Linear` holding `weight` [out, in] and `bias` (slices of bigger ones, copied contiguous)."
     lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     lin.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
-    if bias is not None: lin.bias = nn.Parameter(bias.contiguous(), requires_grad=False)
+    if bias is not None:
+        lin.bias = nn.Parameter(bias.contiguous(), requires_grad=False)
     return lin
 
 def _rows(lin, rows):
@@ -107,7 +108,8 @@ def shard_model(model, rank, world, vocab_parallel=True):
         m.gate_up_proj = _rows(m.gate_up_proj, gate_up_rows)
         m.down_proj = _columns(m.down_proj, slice(i0, i0 + ni), rank)
     model.cfg = replace(cfg, num_attention_heads=nq, num_key_value_heads=nkv, intermediate_size=ni)
-    if vocab_parallel: _shard_vocab(model, *vocab_split(cfg.vocab_size, world)[rank])
+    if vocab_parallel:
+        _shard_vocab(model, *vocab_split(cfg.vocab_size, world)[rank])
     return model
 
 def _shard_vocab(model, first, owned, padding):
@@ -120,7 +122,8 @@ def _shard_vocab(model, first, owned, padding):
     model.embed_tokens = nn.Embedding(owned + padding, embedding.shape[1], device="meta")
     model.embed_tokens.weight = rows(embedding)
     model.lm_head = _linear(model.embed_tokens.weight if tied else rows(head))
-    if tied: model.lm_head.weight = model.embed_tokens.weight  # one tensor serves both, as in the whole model
+    if tied:
+        model.lm_head.weight = model.embed_tokens.weight  # one tensor serves both, as in the whole model
     model.cfg = replace(model.cfg, vocab_size=owned + padding)
 
 # %% ../nbs/13_tp.ipynb #308f1ac9
@@ -208,8 +211,10 @@ class AllReduce(nn.Module):
         super().__init__()
         self.linear, self.group = linear, group
     @property
-    def weight(self): return self.linear.weight
-    def forward(self, x): return self.group.all_reduce(self.linear(x))
+    def weight(self):
+        return self.linear.weight
+    def forward(self, x):
+        return self.group.all_reduce(self.linear(x))
 
 class VocabParallelEmbedding(nn.Module):
     """An embedding of which this rank holds the rows of ids [first, first + rows): it looks up the ids it owns, zeros
@@ -231,9 +236,11 @@ class VocabParallelLMHead(nn.Module):
         super().__init__()
         self.linear, self.vocab, self.group = linear, vocab, group
     @property
-    def weight(self): return self.linear.weight
+    def weight(self):
+        return self.linear.weight
     def forward(self, x):
-        if x.shape[0] == 0: return x.new_empty(0, self.vocab)  # no row wants logits (every rank knows): no gather
+        if x.shape[0] == 0:
+            return x.new_empty(0, self.vocab)  # no row wants logits (every rank knows): no gather
         mine = self.linear(x)
         pieces = self.group.gather(mine)
         return mine[:, :0] if pieces is None else torch.cat(pieces, -1)[:, :self.vocab]
@@ -246,7 +253,8 @@ def build_shard(config, group, vocab_parallel=True):
     model = load_model(config.model, config.dtype, config.device)
     vocab, (first, _, _) = model.cfg.vocab_size, vocab_split(model.cfg.vocab_size, group.world)[group.rank]
     shard_model(model, group.rank, group.world, vocab_parallel)
-    if config.weights == "packed": pack_weights(model)
+    if config.weights == "packed":
+        pack_weights(model)
     for layer in model.layers:
         layer.self_attn.o_proj = AllReduce(layer.self_attn.o_proj, group)
         layer.mlp.down_proj = AllReduce(layer.mlp.down_proj, group)
@@ -319,7 +327,8 @@ class TensorParallelEngine(LLMEngine):
     runner_class = TensorParallelRunner
 
     @staticmethod
-    def wanted(config): return config.tensor_parallel_size > 1
+    def wanted(config):
+        return config.tensor_parallel_size > 1
 
     def __init__(self, config, *, timeout=60.0, start_timeout=300.0, vocab_parallel=None):
         "vocab_parallel: split the embedding and LM head by vocabulary (None: the module's `VOCAB_PARALLEL`)."
@@ -357,7 +366,8 @@ class TensorParallelEngine(LLMEngine):
             raise
         self.runner.group = self.group
 
-    def _ranks(self): return {f"rank {r}": p for r, p in self.procs.items()}
+    def _ranks(self):
+        return {f"rank {r}": p for r, p in self.procs.items()}
 
     def __repr__(self):
         vocab = "split by vocabulary" if self.vocab_parallel else "replicated"
@@ -376,8 +386,10 @@ class TensorParallelEngine(LLMEngine):
         dead = dead_process(self._ranks())  # a rank that died while idle: say so before a collective fails on it
         if dead is not None:
             self._fail(dead)
-        try: return super().step()
-        except WorkerDied: raise
+        try:
+            return super().step()
+        except WorkerDied:
+            raise
         except RuntimeError as e:  # a collective failed: a rank is gone
             self._fail(f"a tensor-parallel rank failed ({str(e).splitlines()[0][:160]})")
 
@@ -403,8 +415,10 @@ class TensorParallelEngine(LLMEngine):
             self.closed = "closed"
         self._finalizer()
 
-    def __enter__(self): return self
-    def __exit__(self, *exc): self.close()
+    def __enter__(self):
+        return self
+    def __exit__(self, *exc):
+        self.close()
 
 def _all_joined(store, world):
     "Whether every other rank has joined `store` (each adds 1 to 'joined'); if not, after a moment's pause."
@@ -418,10 +432,13 @@ WORKER_ENGINES.register("tensor_parallel", TensorParallelEngine)  # LLM(tensor_p
 # %% ../nbs/13_tp.ipynb #8d30d3f2
 def _heads_refuse(c):
     "Why `c.model`'s heads cannot be split over `c.tensor_parallel_size` ranks (one line), or None."
-    if c.tensor_parallel_size == 1: return None
+    if c.tensor_parallel_size == 1:
+        return None
     cfg = ModelConfig.from_folder(c.model)
-    try: head_split(cfg.num_attention_heads, cfg.num_key_value_heads, c.tensor_parallel_size)
-    except ValueError as e: return str(e)
+    try:
+        head_split(cfg.num_attention_heads, cfg.num_key_value_heads, c.tensor_parallel_size)
+    except ValueError as e:
+        return str(e)
     return None
 
 def _experts_refuse(c):
@@ -464,16 +481,19 @@ def worker_main(argv=None):
     "`minfer worker`: a rank other than 0 of a tensor-parallel group, from torchrun's environment (or set by hand)."
     env = os.environ
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if not env.get(k)]
-    if missing: raise ValueError(f"minfer worker needs {', '.join(missing)} in the environment (as torchrun sets them)")
+    if missing:
+        raise ValueError(f"minfer worker needs {', '.join(missing)} in the environment (as torchrun sets them)")
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-    if rank == 0: raise ValueError("RANK=0 is the process that runs the LLM; start the workers with RANK >= 1")
+    if rank == 0:
+        raise ValueError("RANK=0 is the process that runs the LLM; start the workers with RANK >= 1")
     return rank_main(rank, world, env["MASTER_ADDR"], int(env["MASTER_PORT"]), worker_secret())
 
 COMMANDS.register("worker", Command(
     "a rank of a tensor-parallel group, from torchrun's environment (chapter 13)",
     lambda p: None, lambda a: worker_main()))
 
-if __name__ == "__main__" and "__file__" in globals(): sys.exit(worker_main())
+if __name__ == "__main__" and "__file__" in globals():
+    sys.exit(worker_main())
 
 # %% ../nbs/13_tp.ipynb #f2cf760c
 def tp_bytes_per_token(cfg, world, dtype="bfloat16", context=0, batch=1, vocab_parallel=True):
@@ -490,6 +510,7 @@ def tp_bytes_per_token(cfg, world, dtype="bfloat16", context=0, batch=1, vocab_p
     split = vocab_parallel and world > 1
     all_reduces = 2 * cfg.num_hidden_layers + split
     wire = all_reduces * batch * cfg.hidden_size * DTYPE_BYTES[dtype] * 2 * (world - 1) / world
-    if split: wire += (world - 1) * batch * local.vocab_size * DTYPE_BYTES[dtype]  # the logits gathered to rank 0
+    if split:
+        wire += (world - 1) * batch * local.vocab_size * DTYPE_BYTES[dtype]  # the logits gathered to rank 0
     return dict(weights=weight_bytes_per_step(local, dtype) / batch, kv=context * kv_bytes_per_token(local, dtype),
                 wire=wire / batch, collectives=(all_reduces + split) if world > 1 else 0)

@@ -61,7 +61,8 @@ def keep_draft(p, d, gen):
     "True with probability p(d) / sum(p) (p need not be normalised)."
     return float(torch.rand((), generator=gen, device=gen.device)) * float(p.sum()) < float(p[d])
 
-def draw_token(p, gen): return int(torch.multinomial(p, 1, generator=gen))
+def draw_token(p, gen):
+    return int(torch.multinomial(p, 1, generator=gen))
 
 def tree_sample(probs_at, drafts, parents, generators, keep=keep_draft, draw=draw_token):
     """Multi-draft speculative sampling with point-mass drafts (SpecInfer; EAGLE's tree rule): at a node whose target
@@ -92,7 +93,8 @@ def move_kv(cache, src, dst):
         flat = pool.view(pool.shape[0], -1, *pool.shape[3:])  # [layers, slots, kv heads, head dim]
         flat[:, d] = flat[:, s]  # the right side is gathered first: overlapping moves are safe
 
-def tree_depths(parents): return [len(p) for p in root_paths(parents)]
+def tree_depths(parents):
+    return [len(p) for p in root_paths(parents)]
 
 def tree_path_tokens(drafts, parents, row):
     "The tokens from the root down to row `row`'s node (none for the root row)."
