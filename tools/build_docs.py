@@ -493,6 +493,19 @@ def code_hash(nb_path):
 
 
 # ---------------------------------------------------------------- build
+SPHINX_PAGES = {"genindex", "search", "py-modindex"}  # pages Sphinx writes without a source of their own
+
+
+def drop_pages_of_gone_sources():
+    """Sphinx's incremental build keeps the page of a source that is gone (a chapter renamed or split): remove every
+    page in the build whose notebook or markdown file is no longer among the sources, so the site does not ship it."""
+    sources = {p.relative_to(SRC).with_suffix("") for p in SRC.rglob("*") if p.suffix in (".ipynb", ".md")}
+    for page in list(HTML.rglob("*.html")) if HTML.exists() else []:
+        name = page.relative_to(HTML).with_suffix("")
+        if name.parts[0] != "_static" and name.name not in SPHINX_PAGES and name not in sources:
+            page.unlink()
+
+
 def build(jobs="auto"):
     t0 = time.time()
     from fastcore.nbio import write_nb
@@ -519,6 +532,7 @@ def build(jobs="auto"):
     n_ex = instructor_guide(titles)
     print(f"prepared {len(nbs)} notebooks, {len(module_names())} API pages, {n_ex} exercises in {time.time()-t0:.1f} s")
 
+    drop_pages_of_gone_sources()
     warnings = BUILD / "warnings.txt"
     cmd = [sys.executable, "-m", "sphinx", "-b", "html", "-W", "--keep-going", "-n", "-q", "-j", str(jobs),
            "-d", str(BUILD / "doctrees"), "-w", str(warnings), str(SRC), str(HTML)]
