@@ -139,6 +139,30 @@ def test_one_statement_per_line_in_the_library():
     assert joined_statements("x = 1; y = 2\ns = 'a; b'  # c; d\n") == [1]  # the detector sees a real one, only it
 
 
+def inline_bodies(src):
+    "Lines where a compound statement's body starts on its header's line (`if x: return y`, `def f(): return 1`)."
+    import ast
+    compound = (ast.If, ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith, ast.FunctionDef,
+                ast.AsyncFunctionDef, ast.ClassDef, ast.Try, ast.ExceptHandler)
+    return sorted(node.lineno for node in ast.walk(ast.parse(src))
+                  if isinstance(node, compound) and node.body and node.body[0].lineno == node.lineno)
+
+
+def test_block_bodies_on_their_own_lines_in_the_library():
+    "No `if x: return y` in `minfer/`: a block's body starts on a line of its own, as `a; b` is two lines."
+    found = {py.name: inline_bodies(py.read_text()) for py in sorted(PKG.glob("*.py"))}
+    assert not {k: v for k, v in found.items() if v}, found
+    assert inline_bodies("if x: y = 1\nif z:\n    w = 2\nd = {'a': lambda: 1}\n") == [1]
+
+
+def test_library_lines_within_120_characters():
+    "Lines a reader reads whole; nbdev's own `__all__` line is the one it writes itself."
+    found = {py.name: [i for i, line in enumerate(py.read_text().splitlines(), 1)
+                       if len(line) > 120 and not line.startswith("__all__")]
+             for py in sorted(PKG.glob("*.py")) if py.name != "_modidx.py"}
+    assert not {k: v for k, v in found.items() if v}, found
+
+
 def test_benchmarks_run_every_chapter():
     """A benchmark times the engine a user gets from `from minfer import LLM`, every chapter loaded: one that took
     `LLM` from `minfer.llm` ran without chapter 08a's kernels, and timed AWQ int4 at 1.3 tok/s on the reference path
