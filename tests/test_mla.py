@@ -174,3 +174,12 @@ def test_a_config_without_the_latent_numbers_is_refused_in_one_line(tiny):
     with pytest.raises(ValueError, match="lacks kv_lora_rank, v_head_dim") as e:
         ModelConfig.from_config(d)
     assert "\n" not in str(e.value)
+
+
+def test_tensor_parallelism_refuses_latent_attention_in_one_line(tiny):
+    "Chapter 13 splits q/k/v heads of 00a's attention; a dense DeepSeek has no experts to trip the MoE rule."
+    from minfer.engine import EngineConfig
+    folder, _ = tiny("all dense, values wider than keys")
+    with pytest.raises(ValueError, match="latent attention") as e:
+        EngineConfig(model=str(folder), dtype="float32", kernels="torch", tensor_parallel_size=2).resolve()
+    assert "\n" not in str(e.value)
