@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from .model import BEHAVIOURS, ModelConfig, load_model, refused_behaviours, runs_behaviours
+import minfer.families  # chapter 12a registers the behaviours the split runs (`TP_PATH`)
 from .roofline import pack_weights
 from .roofline import DTYPE_BYTES, kv_bytes_per_token, weight_bytes_per_step
 from .paged import attention_backend, kv_cache_from_budget
