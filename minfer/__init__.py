@@ -10,9 +10,10 @@ import importlib
 # KV formats and their readers, attention backends, speculative methods, worker engines, model families, output
 # constraints, subcommands, server routes, and the switches each chapter adds to the engine's config.
 CHAPTERS = ("model", "roofline", "tokenizer", "naive", "kvcache", "sampling", "sequence", "sequential", "paged",
-            "radix", "flash", "cpu_kernels", "cpu_step", "scheduler", "engine", "llm", "protocol", "serve", "cli",
-            "chat", "awq", "awq_kernels", "formats", "format_kernels", "kvquant", "kivi", "speculative", "eagle",
-            "trees", "disagg", "families", "moe", "sinks", "mla", "tp", "cluster", "structured")
+            "radix", "flash", "cpu_kernels", "cpu_step", "scheduler", "engine", "llm", "protocol", "engine_loop",
+            "serve", "cli", "chat", "awq", "awq_kernels", "formats", "format_kernels", "kvquant", "kivi",
+            "speculative", "eagle", "trees", "disagg", "families", "moe", "sinks", "mla", "tp", "cluster",
+            "structured")
 PUBLIC = {"LLM": "llm", "RequestOutput": "llm", "Completion": "llm", "SamplingParams": "sampling"}
 
 
@@ -34,6 +35,6 @@ def __dir__():
 
 
 def main(argv=None):
-    "The `minfer` command: every chapter loaded (each brings its subcommands and switches), then chapter 07d's CLI."
+    "The `minfer` command: every chapter loaded (each brings its subcommands and switches), then chapter 07e's CLI."
     load_all()
     return importlib.import_module(f"{__name__}.cli").main(argv)

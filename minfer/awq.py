@@ -619,7 +619,7 @@ def run_quantize(a):
     out = QUANTIZE_METHODS[a.method].write(check_model_folder(a.src), a.dst, a)
     print(f"wrote {out}: load it with LLM({str(out)!r}) or minfer generate --model {out}")
 
-# `minfer quantize SRC DST`, a subcommand of chapter 07d's command line
+# `minfer quantize SRC DST`, a subcommand of chapter 07e's command line
 COMMANDS.register("quantize", Command(
     "write a quantized copy of a model folder (chapter 08: AWQ int4; --method lists every format)",
     _quantize_args, run_quantize))

@@ -1,4 +1,4 @@
-"""Chapter 07e's chat page as a reader meets it: `python -m minfer.serve --api-key KEY` in a real process (every
+"""Chapter 07f's chat page as a reader meets it: `python -m minfer.serve --api-key KEY` in a real process (every
 chapter loaded, as `minfer serve` loads them), the page at `/` open to anyone while the API behind it is not, named
 on the start-up line, and opened in headless Chromium: it asks for the key once, streams an answer in many updates
 with TTFT, tokens/s and bytes per token under it, carries the conversation into a second turn, and its Stop button

@@ -1,7 +1,7 @@
 """Chapter 13b: replicas of `minfer serve` behind the gateway `smg`, as a user runs them (`python -m minfer cluster`),
 on loopback addresses of their own (127.0.0.2 and 127.0.0.3 stand for two machines), spoken to over real HTTP.
 
-What a gateway needs from a worker (chapter 07c's server with 13b's route) is checked on one in-process server first;
+What a gateway needs from a worker (chapter 07d's server with 13b's route) is checked on one in-process server first;
 those tests need no gateway. The rest share one module-scoped cluster of two replicas (each loads the default model)
 and are skipped, with the reason, where `smg` is not installed (`pip install 'minfer[cluster]'`). They run in file
 order in one xdist worker (`xdist_group`; `make test` runs pytest with `--dist loadgroup`): the last ones kill a

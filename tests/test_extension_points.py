@@ -286,7 +286,7 @@ def test_a_variant_that_depends_on_position(tmp_path, monkeypatch):
     assert out.token_ids == want[n - 1:-1].argmax(-1).tolist()
 
 
-# ---- a request option (chapter 02b's LOGITS_PROCESSORS), its body field (07b's REQUEST_FIELDS) and its flag (07d)
+# ---- a request option (chapter 02b's LOGITS_PROCESSORS), its body field (07b's REQUEST_FIELDS) and its flag (07e)
 class EvenOnly:
     "A toy output constraint: only even token ids."
     done = False
@@ -416,7 +416,7 @@ def test_a_toy_option_over_http_and_on_the_command_line(model_dir, model, toy_op
     assert llm.tokenizer.decode(want).strip().startswith(text)  # ends at EOS if an even EOS came first
 
 
-# ---- a server route (chapter 07c's SERVER_ROUTES): open without the key or behind it, named on the start-up line
+# ---- a server route (chapter 07d's SERVER_ROUTES): open without the key or behind it, named on the start-up line
 def test_a_toy_route_open_or_behind_the_key(model_dir, monkeypatch):
     """Two GET routes registered from here: a plain-text page open without the API key and named on the start-up
     line, and a JSON answer read from the server, behind the key."""

@@ -19,7 +19,8 @@ VOCABULARY = {
     "00b_roofline": ["pack_weights", "PackedLinear", "can_pack"],
     "00c_tokenizer": ["jinja", "sandbox", "apply_chat_template", "compiled_chat_template"],
     "05a_flash": ["triton", "flash"],
-    "07e_chat": ["chat_page", "chat page"],
+    "07c_loop": ["engine_loop", "EngineLoop", "FINAL_EVENTS", "call_soon_threadsafe"],
+    "07f_chat": ["chat_page", "chat page"],
     "08_awq": ["awq", "int4", "pack_awq_int4", "group_size"],
     # 08a is the first to compute in int8 (its activations); 09 then stores K and V in it, under its own words
     "08a_awq_kernels": ["q4x8", "awq_gemm", "awq_cpu", "int8"],

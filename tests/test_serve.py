@@ -1,6 +1,6 @@
 """`python -m minfer.serve` as a user runs it: a real server process on a free loopback port, the real model, spoken to
 with the official `openai` package (chat, completions, streaming, n > 1, stop), and with plain HTTP for what a
-client library would refuse to send (invalid JSON, wrong types). (The chat page at `/`, chapter 07e's, is
+client library would refuse to send (invalid JSON, wrong types). (The chat page at `/`, chapter 07f's, is
 tests/test_chat.py's.)
 
 One server process serves the whole module (loading the model is most of its start-up). Every generation asks for a

@@ -1,4 +1,4 @@
-"""`minfer serve` against hostile clients: one probe per limit and check of the server (chapter 07c), then a soak of
+"""`minfer serve` against hostile clients: one probe per limit and check of the server (chapter 07d), then a soak of
 valid, malformed, hostile, streamed and abandoned requests from several clients at once, then property-based fuzzing
 of the request schema, where any 5xx fails.
 

@@ -113,7 +113,7 @@ def test_check_fails_on_stub_and_passes_with_solution(nb_path, ex, monkeypatch):
     shell = CaptureShell(mpl_format=None)
     try: _check_exercise(shell, nb, nb_path, ex)
     finally:
-        # stop what a setup cell left running in the background (chapter 07c starts a server in a cell with imports;
+        # stop what a setup cell left running in the background (chapter 07d starts a server in a cell with imports;
         # the cell that stops it is not setup): its engine thread would outlive the namespace it runs in
         for obj in list(shell.user_ns.values()):
             if type(obj).__name__ in ("ServerThread", "EngineLoop"): obj.stop()

@@ -321,7 +321,7 @@ WORKSHOP_PLANS = [
         (40, ["03", "04"], "paging and sharing: block tables, then the radix prefix cache"),
         (45, ["06a", "06b"], "continuous batching: the scheduler's budget, then the engine's static-vs-continuous "
                              "measurement (show the stored outputs where laptops are slow)"),
-        (20, ["07a", "07d"], "everything as switches: `LLM`, `minfer generate` and `minfer bench` with a switch off and "
+        (20, ["07a", "07e"], "everything as switches: `LLM`, `minfer generate` and `minfer bench` with a switch off and "
                              "on"),
     ]),
     ("Full day", "The engine of part I end to end, then the attacks of part II; one GPU in the room for chapter 05a's "
@@ -336,8 +336,9 @@ WORKSHOP_PLANS = [
         (45, [], "lunch"),
         (50, ["05b", "05c"], "the CPU's answer: C++ kernels, a matvec at the memory's pace, one call per decode step"),
         (45, ["06a", "06b"], "continuous batching: scheduler and engine"),
-        (40, ["07a", "07b", "07c", "07d", "07e"], "the API, the wire format, the HTTP server, the command line "
-                                                  "and the chat page; students benchmark their own machine"),
+        (40, ["07a", "07b", "07c", "07d", "07e", "07f"], "the API, the wire format, the engine loop, the HTTP server, "
+                                                        "the command line and the chat page; students benchmark "
+                                                        "their own machine"),
         (15, [], "break"),
         (25, ["08"], "fewer bytes per weight: INT4 weights with AWQ's scales, and what they cost in perplexity"),
         (25, ["09", "09a"], "fewer bytes per cached token: a quantized KV cache in 8 bits, then in 4 (KIVI)"),
