@@ -1,4 +1,4 @@
-"""Chapter 11's measurement: co-located (no chunking), co-located (chunked prefill) and prefill/decode split, on the
+"""Chapter 11b's measurement: co-located (no chunking), co-located (chunked prefill) and prefill/decode split, on the
 same Poisson workload of short requests with long prompts mixed in, the same total cores; TTFT/TPOT p50/p99, goodput
 against request rate, KV bytes and time per transfer, both workers' step timelines.
 

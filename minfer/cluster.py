@@ -18,7 +18,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from .engine import parse_cores, usable_cores
 from .cli import COMMANDS, Command
-from .disagg import WorkerDied, dead_process, free_port, stop_workers, wait_for_start, watch_parent
+from .workers import WorkerDied, dead_process, free_port, stop_workers, wait_for_start, watch_parent
 from .serve import SERVER_ROUTES, ServerRoute, add_serve_args, serve_main
 
 # %% ../nbs/13b_cluster.ipynb #f97eedf5
@@ -95,7 +95,7 @@ def gateway_main(argv):
 
 class Child:
     """A process started from a command line `argv`, its output appended to the file `log`, with the face of a
-    `multiprocessing.Process` (`pid`, `exitcode`, `is_alive`, `join`, `terminate`, `kill`), so that chapter 11's
+    `multiprocessing.Process` (`pid`, `exitcode`, `is_alive`, `join`, `terminate`, `kill`), so that chapter 11a's
     `dead_process`, `wait_for_start` and `stop_workers` supervise it."""
     def __init__(self, argv, log):
         self.log = Path(log)

@@ -553,7 +553,7 @@ KERNELS = {"torch": lambda model: model, "cpu": fuse_cpu_ops,
            "step": lambda model: fuse_decode_step(fuse_cpu_ops(model))}
 
 # Engines that run the model in worker processes of their own plug in here: name -> class, built as cls(config) where
-# cls.wanted(config), and driven like `LLMEngine` (add, step, abort, has_unfinished, stats, close). Chapters 11 and 13
+# cls.wanted(config), and driven like `LLMEngine` (add, step, abort, has_unfinished, stats, close). Chapters 11b and 13
 # register theirs.
 WORKER_ENGINES = Registry("engine")
 

@@ -91,7 +91,7 @@ class LLM:
         self.model_dir = Path(self.config.model)
         self.model_config = ModelConfig.from_folder(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)
-        # an engine of worker processes (chapters 11, 13) loads the model there; this process routes and detokenizes
+        # an engine of worker processes (chapters 11b, 13) loads the model there; this process routes and detokenizes
         self.model = None if worker_engine(self.config) else build_model(self.config)
         self.engine = build_engine(self.config, self.model)
         eos = set(self.model_config.eos_token_id)
@@ -240,7 +240,7 @@ def _logits_processor(self: LLM, params):
     first = next(iter(made))
     if len(made) > 1:
         raise RequestError(f"{', '.join(made)}: a sequence runs one logits processor; send one of them", first)
-    # an engine that samples where a processor cannot follow says why (chapter 11's decode worker process)
+    # an engine that samples where a processor cannot follow says why (chapter 11b's decode worker process)
     refusal = getattr(self.engine, "logits_processor_refusal", None)
     if refusal is not None:
         raise RequestError(f"{first}: {refusal}", first)
@@ -269,7 +269,7 @@ def _raw(self: LLM, raw):
 @patch
 def health(self: LLM):
     """None while the engine can serve; else one line saying why it cannot (an engine of worker processes,
-    chapters 11 and 13, reports a worker that died). A server asks from its event loop while its engine thread steps,
+    chapters 11b and 13, reports a worker that died). A server asks from its event loop while its engine thread steps,
     so an engine's `health()` only looks (is each worker process alive?); it never talks to the workers."""
     check = getattr(self.engine, "health", None)
     return None if check is None else check()

@@ -191,7 +191,7 @@ class PagedKVCache:
     """The KV pool: `k`, `v` of shape [layers, num_blocks, block_size, kv_heads, head_dim] (so `k[layer]` is one layer's
     [num_blocks, block_size, kv_heads, head_dim]), and the `allocator` that hands out its blocks.
     Everything that touches the pool's memory goes through three methods: `store` writes new tokens' keys and values
-    (where chapter 09 quantizes), `read_blocks` / `write_blocks` move whole blocks (copy-on-write here, chapter 11's
+    (where chapter 09 quantizes), `read_blocks` / `write_blocks` move whole blocks (copy-on-write here, chapter 11b's
     transfer between processes). `tensors` names every per-block tensor (chapter 09 adds scales), so they move too."""
     format_name = None  # the `KV_FORMATS` name of a pool stored another way; None: K and V in the model's dtype
     def __init__(self, cfg, num_blocks, block_size=16, dtype=torch.float32, device="cpu"):

@@ -549,7 +549,7 @@ def serve_main(args):
     print(f"minfer serve: {llm!r}\nminfer serve: {ready_line(host, port)}", file=sys.stderr, flush=True)
     config = uvicorn.Config(server.app, log_level=args.log_level, timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[sock])
-    llm.close()  # pd_split=True: stop the worker processes (chapter 11)
+    llm.close()  # pd_split=True: stop the worker processes (chapter 11b)
     return 0
 
 def main(argv=None):

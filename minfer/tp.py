@@ -26,8 +26,9 @@ from .paged import attention_backend, kv_cache_from_budget
 from .engine import (SWITCHES, Switch, KERNELS, LLMEngine, ModelRunner, Rule, WORKER_ENGINES, engine_options,
                            parse_cores, usable_cores)
 from .cli import COMMANDS, Command
-from .disagg import (WorkerDied, dead_process, gloo_group, listening_store, refuse_spawned_import, stop_workers,
-                           wait_for_start, watch_parent)
+import minfer.disagg  # chapter 11b's `pd_split` switch, which a rule of this chapter reads
+from .workers import (WorkerDied, dead_process, gloo_group, listening_store, refuse_spawned_import, stop_workers,
+                            wait_for_start, watch_parent)
 
 # %% ../nbs/13_tp.ipynb #d9090707
 def head_split(n_q, n_kv, world):

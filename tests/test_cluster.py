@@ -221,7 +221,7 @@ def test_round_robin_scatters_a_conversation(cluster, round_robin):
 
 @needs_gateway
 def test_a_killed_supervisor_leaves_nothing(round_robin):
-    "kill -9 of `minfer cluster`: its gateway leaves by itself within a second or so (chapter 11's watch_parent)."
+    "kill -9 of `minfer cluster`: its gateway leaves by itself within a second or so (chapter 11a's watch_parent)."
     gateway_pid = round_robin["gateway"][1]
     assert alive(gateway_pid)
     round_robin["proc"].kill()

@@ -1,4 +1,4 @@
-"""Chapter 11: prefill and decode on separate worker processes (`pd_split=True`).
+"""Chapter 11b: prefill and decode on separate worker processes (`pd_split=True`).
 
 Greedy tokens must equal the co-located engine's (chapter 06b's `LLMEngine`, itself checked against naive decode) on
 the same prompts: with prefix-cache hits on the prefill side, n > 1 forks, aborts while a transfer is under way, and
@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 from minfer.engine import EngineConfig, build_model, build_engine
-from minfer.disagg import DisaggEngine, WorkerDied
+from minfer.disagg import DisaggEngine
+from minfer.workers import WorkerDied, post
 from minfer.model import data_dir
 from minfer.tokenizer import Tokenizer
 from minfer.paged import PagedKVCache
@@ -130,7 +131,6 @@ def test_requests_wait_for_room_in_the_decode_pool(split, colocated, tok):
 
 def test_abort_mid_transfer_loses_nothing(split, colocated, tok):
     "Abort requests while their KV is on the wire (the prefill worker holds each send 0.5 s): blocks all come back."
-    post = sys.modules["minfer.disagg"].post
     post(split.inboxes["prefill"], "delay", 0.5)
     try:
         victims = [greedy(long_ids(tok, 4000 + 100 * i, 60), 20) for i in range(2)]

@@ -316,7 +316,7 @@ def test_a_failing_choice_ends_alone(http, server):
 
 def test_health_is_503_when_the_engine_cannot_serve(llm):
     """In this process, on the session's `LLM`: an engine that reports itself dead (a worker engine's `health()`,
-    chapters 11 and 13) makes /health a 503 with its reason; an engine thread that stops makes the request in flight,
+    chapters 11b and 13) makes /health a 503 with its reason; an engine thread that stops makes the request in flight,
     /health and every later request a 503, never a request that waits forever."""
     from minfer.serve import ServerThread
     with ServerThread(llm, api_key=KEY) as srv, httpx.Client(base_url=srv.url, headers=AUTH, timeout=30) as c:

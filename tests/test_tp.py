@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest, torch
 from minfer import LLM, SamplingParams
-from minfer.disagg import WorkerDied, free_port
+from minfer.workers import WorkerDied, free_port
 from minfer.engine import EngineConfig
 from minfer.model import Llama, load_model
 from minfer.tp import (VocabParallelEmbedding, VocabParallelLMHead, even_split, head_split, shard_model,

@@ -1,15 +1,17 @@
-"""Worker processes of chapters 11 (pd_split) and 13 (tensor parallelism), probed as an attacker and as a careless
-operator would: every socket they listen on is on loopback (even where gloo's own default would pick another
-interface); a rank refuses, without unpickling it, a message not signed with its launch's secret; a tensor-parallel
-engine idle for longer than its step timeout still serves; ranks and workers die with a SIGKILLed parent, whether
-they are starting, idle, or blocked on a full pipe; a script without the `__main__` guard gets one line within
-seconds; `health()` says None while every worker lives and names the one that died."""
+"""Worker processes of chapters 11b (pd_split) and 13 (tensor parallelism), supervised by chapter 11a's functions,
+probed as an attacker and as a careless operator would: every socket they listen on is on loopback (even where
+gloo's own default would pick another interface); a rank refuses, without unpickling it, a message not signed with
+its launch's secret; a tensor-parallel engine idle for longer than its step timeout still serves; ranks and workers
+die with a SIGKILLed parent, whether they are starting, idle, or blocked on a full pipe; a script without the
+`__main__` guard gets one line within seconds; `health()` says None while every worker lives and names the one that
+died."""
 import datetime, os, pickle, signal, socket, subprocess, sys, textwrap, time
 from pathlib import Path
 
 import psutil, pytest, torch
 import torch.distributed as dist
-from minfer.disagg import DisaggEngine, WorkerDied, free_port
+from minfer.disagg import DisaggEngine
+from minfer.workers import WorkerDied, free_port
 from minfer.engine import EngineConfig
 from minfer.tokenizer import Tokenizer
 from minfer.sequence import SamplingParams, Sequence
@@ -253,7 +255,8 @@ IDLE = """
 FULL_PIPE = """
     import fcntl, termios, time
     from minfer import LLM
-    from minfer.disagg import ROLES, post
+    from minfer.disagg import ROLES
+    from minfer.workers import post
     if __name__ == "__main__":
         llm = LLM(pd_split=True, kv_cache_bytes=2**27)
         engine = llm.engine
