@@ -12,7 +12,7 @@ import pytest
 import torch
 from minfer.engine import EngineConfig, build_model, build_engine
 from minfer.disagg import DisaggEngine, WorkerDied
-from minfer.model import data_dir
+from minfer.gguf import data_dir
 from minfer.tokenizer import Tokenizer
 from minfer.paged import PagedKVCache
 from minfer.sequence import Sequence, SamplingParams
