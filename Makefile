@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 model: $(STAMP)
-	$(BIN)/python -c "from minfer.model import default_model_dir; print('model folder:', default_model_dir())"
+	$(BIN)/python -c "from minfer.gguf import default_model_dir; print('model folder:', default_model_dir())"
 
 demo: install
 	$(BIN)/minfer generate "$(PROMPT)" --max-tokens 48

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 from minfer import LLM  # every chapter loaded: its weight formats, kernels and switches
 from minfer.llm import decode_breakdown
-from minfer.model import data_dir, default_model_dir, find_default_gguf, ModelConfig
+from minfer.model import ModelConfig
+from minfer.gguf import data_dir, default_model_dir, find_default_gguf
 from minfer.awq import is_awq_folder, quantize_folder
 from minfer.roofline import weight_bytes_per_step, param_counts
 from minfer.sampling import SamplingParams

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from minfer.engine import EngineConfig, build_model, build_engine, serve, usable_cores
 from minfer.disagg import DisaggEngine
-from minfer.model import data_dir
+from minfer.gguf import data_dir
 from minfer.tokenizer import Tokenizer
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 from minfer import LLM  # every chapter loaded: its weight formats, kernels and switches
-from minfer.model import default_model_dir
+from minfer.gguf import default_model_dir
 from minfer.engine import make_workload
 from minfer.families import tiny_random_model
 

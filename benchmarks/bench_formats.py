@@ -16,7 +16,8 @@ import argparse, datetime, json, math, statistics, sys, time
 from pathlib import Path
 
 import torch
-from minfer.model import NoCache, default_model_dir, data_dir, load_model
+from minfer.model import NoCache, load_model
+from minfer.gguf import default_model_dir, data_dir
 from minfer.tokenizer import Tokenizer
 from minfer.awq import quantize_folder, load_awq_model
 from minfer.formats import quantize_format_folder, load_format_model

@@ -19,7 +19,7 @@ ap.add_argument("--path", default="/tmp/grammar-engines", help="where xgrammar a
 ap.add_argument("--out", default=None)
 ARGS = ap.parse_args()
 sys.path.insert(0, ARGS.path)
-from minfer.model import default_model_dir
+from minfer.gguf import default_model_dir
 FOLDER = str(default_model_dir())
 tj = json.load(open(FOLDER + "/tokenizer.json"))
 VOCAB = json.load(open(FOLDER + "/config.json"))["vocab_size"]

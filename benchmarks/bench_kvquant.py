@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from minfer.engine import EngineConfig, build_model, build_engine, workload_sequence
 from minfer.paged import KV_FORMATS, kv_token_bytes
-from minfer.model import default_model_dir, data_dir
+from minfer.gguf import default_model_dir, data_dir
 from minfer.tokenizer import Tokenizer
 from minfer.roofline import MODELS
 

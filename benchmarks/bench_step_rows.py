@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from minfer import LLM  # every chapter loaded: its weight formats, kernels and switches
 from minfer.cpu_step import STEP_MAX_ROWS
-from minfer.model import data_dir
+from minfer.gguf import data_dir
 from minfer.sequence import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))

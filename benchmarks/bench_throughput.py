@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 from minfer import LLM  # every chapter loaded: its weight formats, kernels and switches
-from minfer.model import default_model_dir, ModelConfig, data_dir
+from minfer.model import ModelConfig
+from minfer.gguf import default_model_dir, data_dir
 from minfer.tokenizer import Tokenizer
 from minfer.engine import make_workload
 from minfer.sequence import SamplingParams

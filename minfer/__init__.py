@@ -9,11 +9,11 @@ import importlib
 # every chapter first (`load_all`), so that `from minfer import LLM` sees every registry's entries: weight formats,
 # KV formats and their readers, attention backends, speculative methods, worker engines, model families, output
 # constraints, subcommands, server routes, and the switches each chapter adds to the engine's config.
-CHAPTERS = ("model", "roofline", "tokenizer", "naive", "kvcache", "sampling", "sequence", "sequential", "paged",
-            "radix", "flash", "cpu_kernels", "cpu_step", "scheduler", "engine", "llm", "protocol", "engine_loop",
-            "serve", "cli", "chat", "awq", "awq_kernels", "formats", "format_kernels", "kvquant", "kivi",
-            "speculative", "eagle", "trees", "workers", "disagg", "families", "moe", "sinks", "mla", "tp", "cluster",
-            "structured")
+CHAPTERS = ("gguf", "model", "roofline", "tokenizer", "naive", "kvcache", "sampling", "sequence", "sequential",
+            "paged", "radix", "flash", "cpu_kernels", "cpu_step", "scheduler", "engine", "llm", "protocol",
+            "engine_loop", "serve", "cli", "chat", "awq", "awq_kernels", "formats", "format_kernels", "kvquant",
+            "kivi", "speculative", "eagle", "trees", "workers", "disagg", "families", "moe", "sinks", "mla", "tp",
+            "cluster", "structured")
 PUBLIC = {"LLM": "llm", "RequestOutput": "llm", "Completion": "llm", "SamplingParams": "sampling"}
 
 

@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from .model import (DTYPES, QUANT_METHODS, Llama, ModelConfig, NoCache, PackedCausal,
-                          Registry, WeightFormat, data_dir,
+from .model import (DTYPES, QUANT_METHODS, Llama, ModelConfig, NoCache, PackedCausal, Registry, WeightFormat,
                           check_model_folder, load_model, register_weight_format, make_rope, check_behaviours)
+from .gguf import data_dir
 from .roofline import DTYPE_BYTES, PackedLinear, can_pack, param_counts
 from .tokenizer import Tokenizer
 from .cli import COMMANDS, Command

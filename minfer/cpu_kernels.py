@@ -14,7 +14,8 @@ import ctypes, functools, hashlib, os, platform, shutil, subprocess
 from pathlib import Path
 import torch
 import torch.nn.functional as F
-from .model import RMSNorm, Attention, MLP, DecoderLayer, data_dir
+from .model import RMSNorm, Attention, MLP, DecoderLayer
+from .gguf import data_dir
 from .paged import PagedAttention, ATTENTION_BACKENDS
 
 # %% ../nbs/05b_cpu_kernels.ipynb #80b0191d

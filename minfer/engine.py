@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Callable
 import torch
 from fastcore.basics import patch
-from .model import (DTYPES, WEIGHT_FORMATS, Registry, load_model, default_model_dir, check_model_folder,
-                          ModelConfig, ROPE_SCALINGS, refused_behaviours)
+from .model import (DTYPES, WEIGHT_FORMATS, Registry, load_model, check_model_folder, ModelConfig,
+                          ROPE_SCALINGS, refused_behaviours)
+from .gguf import default_model_dir
 from .paged import (ATTENTION_BACKENDS, KV_FORMATS, attention_backend, build_batch_meta, formats_read_by,
                           kv_cache_from_budget, kv_token_bytes)
 from .sequence import Sequence, SamplingParams
@@ -598,7 +599,7 @@ def build_engine(config, model=None):
 def make_workload(tokenizer, n, *, seed=0, arrival="all", rate=4.0, prompt_median=64, prompt_max=512, out_min=16,
                   out_max=128, text=None):
     "n requests as (arrival_time_s, prompt_ids, max_tokens); see the chapter for the distributions."
-    from minfer.model import data_dir
+    from minfer.gguf import data_dir
     rng = random.Random(seed)
     text = text or (data_dir() / "text" / "course.txt").read_text()
     ids = tokenizer.encode(text)

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from .model import (MODEL_FAMILIES, ROPE_SCALINGS, HF_ACTIVATIONS, ACTIVATIONS, BEHAVIOURS, Behaviour, Family,
                           RopeSpec, ModelConfig, RotaryEmbedding, AttentionVariant, attend, rope_inv_freq, rope_spec,
-                          describe_llama, default_model_dir, runs_behaviours, Attention, ATTENTION_MODULES, RMSNorm)
+                          describe_llama, runs_behaviours, Attention, ATTENTION_MODULES, RMSNorm)
+from .gguf import default_model_dir
 from .roofline import param_counts
 
 # %% ../nbs/12a_families.ipynb #a70592da

@@ -377,7 +377,7 @@ class Ledger:
 # %% ../nbs/00b_roofline.ipynb #7ff3013e
 import json, re
 from pathlib import Path
-from .model import source_root
+from .gguf import source_root
 
 def scoreboard_path():
     "`benchmarks/scoreboard.json` of the source checkout minfer runs from."

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from .model import ModelConfig, Registry, check_model_folder, data_dir, default_model_dir
+from .model import ModelConfig, Registry, check_model_folder
+from .gguf import data_dir, default_model_dir
 from .engine import EngineConfig, ModelRunner, SWITCHES, Rule, Switch, build_model
 from .paged import ATTENTION_BACKENDS, KV_FORMATS, PagedKVCache, BlockTable, OutOfBlocks, build_batch_meta
 import minfer.kvquant  # chapter 09's `kv_dtype` switch, which this chapter's rules read

@@ -40,7 +40,7 @@ LIBC = _glibc()
 
 @pytest.fixture(scope="session")
 def model_dir():
-    from minfer.model import default_model_dir
+    from minfer.gguf import default_model_dir
     return default_model_dir()
 
 @pytest.fixture(scope="session")

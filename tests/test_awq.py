@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from safetensors.torch import save_file
-from minfer.model import Llama, ModelConfig, NoCache, data_dir, load_model
+from minfer.model import Llama, ModelConfig, NoCache, load_model
+from minfer.gguf import data_dir
 from minfer.tokenizer import Tokenizer
 from minfer.awq import (AWQLinear, awq_bytes_per_token, awq_transform, calibration_ids, check_awq_config,
                         dequantize_awq, dequantize_groups, fake_quantize, fuse_awq, is_awq_folder, load_awq_model,

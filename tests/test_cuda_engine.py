@@ -9,7 +9,7 @@ pytestmark = pytest.mark.gpu
 def tiny_folder(tmp_path_factory):
     "A 2-layer Llama with the default model's tokenizer and random weights (std 0.02, as transformers initialises)."
     from transformers import LlamaConfig, LlamaForCausalLM
-    from minfer.model import data_dir
+    from minfer.gguf import data_dir
     import shutil
     model_dir = data_dir() / "models" / "smollm2-135m-instruct"  # only its tokenizer files are needed here
     if not (model_dir / "tokenizer.json").exists(): pytest.skip("the default model's tokenizer files are not here")

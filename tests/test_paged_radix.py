@@ -383,7 +383,8 @@ test_paged_radix_invariants = PagedRadixMachine.TestCase
 
 # ---------------------------------------------------------------- generation: same tokens as the contiguous cache
 from minfer.kvcache import ContiguousKVCache, cached_generate  # noqa: E402
-from minfer.model import NoCache, default_model_dir, load_model  # noqa: E402
+from minfer.model import NoCache, load_model  # noqa: E402
+from minfer.gguf import default_model_dir  # noqa: E402
 from minfer.tokenizer import Tokenizer
 from minfer.sampling import SamplingParams, sample  # noqa: E402
 

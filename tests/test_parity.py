@@ -1,6 +1,7 @@
 "Correctness contract 1: minfer.model logits == transformers' LlamaForCausalLM on the same folder, fp32, max abs <= 1e-4."
 import pytest, torch
-from minfer.model import NoCache, find_default_gguf, load_model, default_model_dir
+from minfer.model import NoCache, load_model
+from minfer.gguf import find_default_gguf, default_model_dir
 from lossy import assert_near_fp32
 
 LONG = " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog while counting sheep." for i in range(40))

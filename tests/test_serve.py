@@ -37,7 +37,7 @@ def http(url):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from minfer.model import default_model_dir
+    from minfer.gguf import default_model_dir
     from minfer.tokenizer import Tokenizer
     return Tokenizer(default_model_dir())
 

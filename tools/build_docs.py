@@ -314,7 +314,7 @@ def _fmt_min(m): return f"{m:.0f} min" if m < 90 else f"{m / 60:.1f} h"
 # Chapters are named by their number (`02a`), so a plan lists exactly the chapters, exercises and run times there are.
 WORKSHOP_PLANS = [
     ("Half day", "Laptops without a GPU; the core path from a model folder to a batching engine.", [
-        (30, ["00a", "00b"], "what a model is and why decode is memory-bound: bytes per token, this machine's roofline"),
+        (30, ["00", "00a", "00b"], "what a model is and why decode is memory-bound: bytes per token, this machine's roofline"),
         (40, ["01", "02a"], "recompute against cache: the naive loop, then the KV cache; compare the two time-per-token "
                             "curves"),
         (15, [], "break"),
@@ -326,7 +326,7 @@ WORKSHOP_PLANS = [
     ]),
     ("Full day", "The engine of part I end to end, then the attacks of part II; one GPU in the room for chapter 05a's "
                  "measured part, if there is one.", [
-        (30, ["00a", "00b"], "what a model is and why decode is memory-bound"),
+        (30, ["00", "00a", "00b"], "what a model is and why decode is memory-bound"),
         (40, ["01", "02a"], "recompute against cache"),
         (30, ["02b", "02c", "02d"], "sampling, the `Sequence` and a first engine"),
         (15, [], "break"),
