@@ -6,7 +6,8 @@ Docs: https://minfer.github.io/minfer/mla.html.md"""
 
 # %% auto #0
 __all__ = ['LATENT_KEYS', 'yarn_mscale', 'latent_softmax_scale', 'LatentSpec', 'LatentAttention', 'GroupLimitedExperts',
-           'GroupLimitedMoE', 'describe_deepseek_v3', 'LatentCache']
+           'GroupLimitedMoE', 'describe_deepseek_v3', 'absorbed_query', 'absorbed_output', 'LatentCache', 'LatentPool',
+           'LatentFormat', 'LatentPagedAttention']
 
 # %% ../nbs/12d_mla.ipynb #f08059dc
 import math
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from .model import (MODEL_FAMILIES, ATTENTION_MODULES, MLP_KINDS, BEHAVIOURS, Behaviour,
                           Family, MLP, RMSNorm, RotaryEmbedding, attend, rope_spec)
 from .moe import Experts, MoE
+from .paged import KV_FORMATS, KV_READERS, BlockAllocator, PagedAttention, PagedKVCache, PoolFormat
 
 # %% ../nbs/12d_mla.ipynb #214c526d
 def yarn_mscale(factor, mscale):
@@ -223,6 +225,28 @@ MODEL_FAMILIES.register("deepseek_v3", Family(
     describe_deepseek_v3, about="DeepSeek-V3, R1: latent attention, 256 experts, top 8 in groups"))
 
 # %% ../nbs/12d_mla.ipynb #068aa9e5
+def absorbed_query(module, x, cos, sin):
+    """`module`'s (a `LatentAttention`) query for new tokens x [T, hidden] as it reads the rows, W_uk
+    and DeepSeek's scale folded in: [T, heads, kv_lora_rank + qk_rope_head_dim]; and the new
+    tokens' own rows [latent | turned RoPE key part], [T, same width]."""
+    spec = module.spec
+    q_nope, q_pe = module.query(x)
+    c, k_pe = module.latent(x)
+    q_pe, k_pe = module.turn(q_pe, cos, sin), module.turn(k_pe, cos, sin)
+    w_uk = module.kv_b_proj.weight.view(module.n_heads, -1, spec.kv_lora_rank)[:, :spec.qk_nope_head_dim]
+    # (q_nope W_uk) . c = q_nope . (W_uk c)
+    q = torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk), q_pe], -1)
+    rows = torch.cat([c, k_pe[:, 0]], -1)
+    # attention scales by the rows' width ** -0.5: DeepSeek's scale is folded into q
+    return q * (spec.softmax_scale / rows.shape[-1] ** -0.5), rows
+
+def absorbed_output(module, o_latent):
+    "Attention's output over the latents [T, heads, kv_lora_rank] -> the layer's: W_uv, then `o_proj`."
+    spec, T = module.spec, len(o_latent)
+    w_uv = module.kv_b_proj.weight.view(module.n_heads, -1, spec.kv_lora_rank)[:, spec.qk_nope_head_dim:]
+    o = torch.einsum("thr,hvr->thv", o_latent, w_uv)
+    return module.o_proj(o.reshape(T, module.n_heads * spec.v_head_dim))
+
 class LatentCache:
     """One sequence's absorbed-path cache: per layer, each token's row [latent | turned RoPE key
     part] (`kv_lora_rank` + `qk_rope_head_dim` numbers), nothing per head. Passed as a forward's
@@ -245,20 +269,78 @@ class LatentCache:
 
     def attend_latents(self, module, x, cos, sin, layer):
         "`module`'s attention output for new tokens x [T, hidden], after every cached token."
-        spec, T, H, r = module.spec, len(x), module.n_heads, module.spec.kv_lora_rank
-        q_nope, q_pe = module.query(x)
-        c, k_pe = module.latent(x)
-        q_pe, k_pe = module.turn(q_pe, cos, sin), module.turn(k_pe, cos, sin)
-        new = torch.cat([c, k_pe[:, 0]], -1)
+        q, new = absorbed_query(module, x, cos, sin)
         self.rows[layer] = new if self.rows[layer] is None else torch.cat([self.rows[layer], new])
-        rows = self.rows[layer]
-        w = module.kv_b_proj.weight.view(H, -1, r)
-        w_uk, w_uv = w.split([spec.qk_nope_head_dim, spec.v_head_dim], 1)
-        # (q_nope W_uk) . c = q_nope . (W_uk c)
-        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
-        # attend scales by the rows' width ** -0.5: DeepSeek's scale is folded into q
-        q = torch.cat([q_latent, q_pe], -1) * (spec.softmax_scale / rows.shape[-1] ** -0.5)
+        rows, r = self.rows[layer], module.spec.kv_lora_rank
         # one KV head for every query head: the rows are the keys, their latents the values
-        o_latent = attend(q, rows[:, None], rows[:, None, :r], **module.attn_kwargs)
-        o = torch.einsum("thr,hvr->thv", o_latent, w_uv)
-        return module.o_proj(o.reshape(T, H * spec.v_head_dim))
+        return absorbed_output(module, attend(q, rows[:, None], rows[:, None, :r], **module.attn_kwargs))
+
+# %% ../nbs/12d_mla.ipynb #85cae853
+class LatentPool(PagedKVCache):
+    """Chapter 03's paged pool holding the absorbed path's rows: `k` [layers, num_blocks, block_size,
+    1, kv_lora_rank + qk_rope_head_dim], one row [latent | turned RoPE key part] per token; no `v`,
+    the values being each row's first `kv_lora_rank` numbers."""
+    format_name = "latent"
+
+    def __init__(self, cfg, num_blocks, block_size=16, dtype=torch.float32, device="cpu"):
+        self.width, self.values = self.row_width(cfg), cfg.attention_spec.kv_lora_rank
+        shape = (cfg.num_hidden_layers, num_blocks, block_size, 1, self.width)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.cfg, self.num_blocks, self.block_size = cfg, num_blocks, block_size
+        self.allocator = BlockAllocator(num_blocks, block_size)
+
+    @staticmethod
+    def row_width(cfg):
+        "Numbers cached per token and layer: the latent and the RoPE key part."
+        return cfg.attention_spec.kv_lora_rank + cfg.attention_spec.qk_rope_head_dim
+
+    @property
+    def tensors(self):
+        return {"k": self.k}
+
+    def layer(self, layer):
+        "The rows as keys, their latents as values (a view: nothing copied), for chapter 03's attention."
+        return self.k[layer], self.k[layer][..., :self.values]
+
+    @staticmethod
+    def block_bytes(cfg, block_size=16, dtype=torch.float32):
+        "Bytes of rows one block holds across all layers."
+        per_value = torch.empty(0, dtype=dtype).element_size()
+        return block_size * cfg.num_hidden_layers * LatentPool.row_width(cfg) * per_value
+
+    def store(self, layer, slots, rows):
+        "Write T new tokens' rows [T, width] into flat slot ids `slots` [T] of `layer`."
+        pool = self.k[layer].view(-1, self.width)
+        pool.index_copy_(0, slots, rows.to(pool.dtype))
+
+class LatentFormat(PoolFormat):
+    """`LatentPool` as chapter 03's KV format: the own format of every model with latent attention.
+    Rows are stored in the model's dtype; `block_bytes` counts bf16, DeepSeek's own, unless told."""
+    name = "latent"
+
+    def made_for(self, cfg):
+        return cfg.attention_module == "latent"
+
+    def block_bytes(self, cfg, block_size, dtype=torch.bfloat16):
+        return LatentPool.block_bytes(cfg, block_size, dtype)
+
+    def from_budget(self, cfg, budget_bytes, block_size, dtype, device, max_seqs):
+        if not self.made_for(cfg):
+            raise ValueError(f"kv_dtype='latent' stores latent attention's rows; {cfg.model_type} models "
+                             "have none: use kv_dtype='auto'")
+        return LatentPool.from_budget(cfg, budget_bytes, block_size, dtype, device)
+
+class LatentPagedAttention(PagedAttention):
+    """Chapter 03's torch backend over a `LatentPool`: each `LatentAttention` layer stores its new
+    rows, then its absorbed query attends over its sequences' rows, gathered by chapter 03's plan."""
+    reads_latents = True
+
+    def attend_latents(self, module, x, cos, sin, layer):
+        "`module`'s attention output for the step's new tokens x [T, hidden]."
+        meta = self.bound_meta()
+        q, rows = absorbed_query(module, x, cos, sin)
+        self.cache.store(layer, meta.slot_mapping, rows)
+        return absorbed_output(module, self.attend_stored(layer, q, meta, **module.attn_kwargs))
+
+KV_FORMATS.register("latent", LatentFormat())
+KV_READERS.register(("torch", "latent"), LatentPagedAttention)
