@@ -358,6 +358,6 @@ def _kv_dtype_candidates(c):
     return own or [c.dtype]
 
 SWITCHES.register("kv_dtype", Switch(
-    "kv_dtype", "auto", "KV cache storage: auto = the model's own format or dtype, else a format of KV_FORMATS (ch. 09)",
+    "kv_dtype", "auto", "KV cache storage: auto = the model's own format or dtype, else one of KV_FORMATS (ch. 09)",
     lambda: ("auto", *DTYPES, *KV_FORMATS), auto=_kv_dtype_candidates, rules=KV_DTYPE_RULES,
     engine_options=lambda c: dict(kv_format=c.kv_dtype if c.kv_dtype in KV_FORMATS else None)))
