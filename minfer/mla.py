@@ -56,7 +56,8 @@ class LatentAttention(nn.Module):
     decompressed from the latent and handed, with the query, to the caller's attention at the
     cache's head width (`cfg.head_dim`: q and k zero-padded where v is wider, v where q and k are),
     so every cache and kernel runs it. An attention object with `reads_latents` (this chapter's
-    `LatentCache`) gets the layer instead and attends over latents (the absorbed path)."""
+    `LatentCache`, and `LatentPagedAttention` over the engine's pool) gets the layer instead and
+    attends over latents (the absorbed path)."""
     def __init__(self, cfg, layer=0):
         super().__init__()
         spec = self.spec = cfg.attention_spec
