@@ -6,9 +6,9 @@ Docs: https://minfer.github.io/minfer/families.html.md"""
 
 # %% auto #0
 __all__ = ['TINY', 'PUBLIC_MODELS', 'tiny_random_model', 'LinearRope', 'Llama3Rope', 'LongRope', 'sequence_lengths', 'YarnSpec',
-           'YarnRope', 'PartialRope', 'partial_rope', 'SoftCap', 'soft_cap', 'FamilyAttention', 'layer_attention',
-           'family_attention', 'layer_windows', 'QKNormAttention', 'layer_kinds', 'windows', 'windowed',
-           'describe_mistral', 'describe_qwen2', 'describe_qwen3', 'describe_gemma2', 'describe_gemma3',
+           'yarn_mscale', 'YarnRope', 'PartialRope', 'partial_rope', 'SoftCap', 'soft_cap', 'FamilyAttention',
+           'layer_attention', 'family_attention', 'layer_windows', 'QKNormAttention', 'layer_kinds', 'windows',
+           'windowed', 'describe_mistral', 'describe_qwen2', 'describe_qwen3', 'describe_gemma2', 'describe_gemma3',
            'describe_phi3', 'describe_smollm3', 'kv_bytes_read', 'weight_bytes']
 
 # %% ../nbs/12a_families.ipynb #4661e795
@@ -133,6 +133,10 @@ class YarnSpec(RopeSpec):
     mscale_all_dim: float | None = None
     truncate: bool = True
 
+def yarn_mscale(factor, mscale):
+    "YaRN's attention factor at `factor` times the original context: 0.1 mscale ln(factor) + 1 (1 within it)."
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
 class YarnRope(RotaryEmbedding):
     """YaRN (Qwen's and DeepSeek's long contexts): frequencies that turn more than `beta_fast` times over the original
     context keep their value, those that turn fewer than `beta_slow` times are divided by `factor`, a linear ramp over
@@ -147,13 +151,11 @@ class YarnRope(RotaryEmbedding):
 
     def frequencies(self, dim):
         spec, orig = self.spec, self.spec.original_max_position_embeddings
-        def scale_of(mscale):
-            return 1.0 if spec.factor <= 1 else 0.1 * mscale * math.log(spec.factor) + 1.0
         scale = spec.attention_factor
         if scale is None and spec.mscale and spec.mscale_all_dim:
-            scale = scale_of(spec.mscale) / scale_of(spec.mscale_all_dim)
+            scale = yarn_mscale(spec.factor, spec.mscale) / yarn_mscale(spec.factor, spec.mscale_all_dim)
         if scale is None:
-            scale = scale_of(1)
+            scale = yarn_mscale(spec.factor, 1)
         def dim_turning(rotations):  # the dimension whose frequency turns `rotations` times over the original context
             return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(spec.theta))
         low, high = dim_turning(spec.beta_fast), dim_turning(spec.beta_slow)

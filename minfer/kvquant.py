@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from .paged import (KV_FORMATS, KV_READERS, BlockAllocator, BlockTable, PagedAttention, PagedKVCache, PoolFormat,
                           attention_backend, build_batch_meta, formats_read_by, kv_cache_from_budget, kv_token_bytes)
-from .model import DTYPES
+from .model import DTYPES, ModelConfig
 from .engine import SWITCHES, Rule, Switch, _not_run
 from .cpu_kernels import CPU_KERNELS_SOURCE, CpuAttention, build_cpu_kernels, load_kernels, _kernel, _P, _I, _F
 from .flash import TritonAttention, split_kv_decode  # before triton: without a GPU it picks Triton's interpreter
@@ -350,7 +350,14 @@ KV_DTYPE_RULES = (
                    f"{', '.join(map(repr, formats_read_by(c.attention)))}); use attention='torch'"),
 )
 
+def _kv_dtype_candidates(c):
+    """What 'auto' stores K/V in: the model's own format where one is made for it (chapter 03's `made_for`: a format
+    for a kind of attention that stores something else), else the model's dtype."""
+    cfg = ModelConfig.from_folder(c.model)
+    own = [name for name, fmt in KV_FORMATS.items() if fmt.made_for(cfg)] if c.kv == "paged" else []
+    return own or [c.dtype]
+
 SWITCHES.register("kv_dtype", Switch(
-    "kv_dtype", "auto", "KV cache storage: auto = the model's dtype, else a quantized format of KV_FORMATS (ch. 09)",
-    lambda: ("auto", *DTYPES, *KV_FORMATS), auto=lambda c: [c.dtype], rules=KV_DTYPE_RULES,
+    "kv_dtype", "auto", "KV cache storage: auto = the model's own format or dtype, else one of KV_FORMATS (ch. 09)",
+    lambda: ("auto", *DTYPES, *KV_FORMATS), auto=_kv_dtype_candidates, rules=KV_DTYPE_RULES,
     engine_options=lambda c: dict(kv_format=c.kv_dtype if c.kv_dtype in KV_FORMATS else None)))

@@ -284,6 +284,11 @@ class PagedAttention:
     def __call__(self, layer, q, k, v, variant=None):
         meta = self.bound_meta()
         self.cache.store(layer, meta.slot_mapping, k, v)
+        return self.attend_stored(layer, q, meta, variant)
+
+    def attend_stored(self, layer, q, meta, variant=None):
+        """`layer`'s rows `q` over what the pool holds of it (its new tokens already stored): a hook for attention
+        whose new keys and values are stored another way (a later chapter's pool of its own)."""
         if variant is None:
             return self.attention(q, *self.cache.layer(layer), meta)
         return self.attention_masked(q, *self.cache.layer(layer), meta, variant)
@@ -326,15 +331,17 @@ class PagedAttention:
         if self.plan is None:
             self.plan = self.make_plan(meta, k_cache.shape[1])
         prefill, decode = self.plan
-        h, d = k_cache.shape[2:]
-        k_flat, v_flat = k_cache.view(-1, h, d), v_cache.view(-1, h, d)
+        h = k_cache.shape[2]
+        # values may be narrower than keys (a pool whose values are its keys' first columns): each keeps its width
+        k_flat, v_flat = k_cache.view(-1, h, k_cache.shape[-1]), v_cache.view(-1, h, v_cache.shape[-1])
         # keys and values are read in q's dtype (a bf16 pool under fp32 activations: chapter 00a's `wide_dtype`)
         def decode_group(q, slots, mask):  # q: [g, Hq, d]; k, v: [g, h, longest, d]
-            k, v = (take(c, slots).to(q.dtype).view(len(q), -1, h, d).transpose(1, 2) for c in (k_flat, v_flat))
+            k, v = (take(c, slots).to(q.dtype).view(len(q), -1, h, c.shape[-1]).transpose(1, 2)
+                    for c in (k_flat, v_flat))
             return F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, enable_gqa=True)[:, :, 0]
         if not prefill and len(decode) == 1 and decode[0][0] is None:  # e.g. batch-1 decode: no row shuffling at all
             return decode_group(q, *decode[0][1:])
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:-1], v_cache.shape[-1])
         for r0, r1, slots in prefill:
             out[r0:r1] = self.attend_chunk(q[r0:r1], k_flat, v_flat, slots)
         for rows, slots, mask in decode:
@@ -348,7 +355,7 @@ class PagedAttention:
     def attention_masked(self, q, k_cache, v_cache, meta, variant):
         """A layer with an `AttentionVariant` (chapter 00a), under every backend: each sequence's rows through `attend`,
         reading only the keys its first row sees (from `variant.first_key` of that row's position on)."""
-        bs, (h, d) = k_cache.shape[1], k_cache.shape[2:]
+        bs = k_cache.shape[1]
         if variant not in self.variant_plans:
             cu, lens, tables = meta.cu_seqlens_q.tolist(), meta.seq_lens.tolist(), meta.block_tables.tolist()
             plan = []
@@ -359,8 +366,9 @@ class PagedAttention:
                 slots = slice(slots.start + lo, slots.stop) if isinstance(slots, slice) else slots[lo:]
                 plan.append((cu[i], cu[i + 1], slots, lo))
             self.variant_plans[variant] = plan
-        k_flat, v_flat = k_cache.view(-1, h, d), v_cache.view(-1, h, d)
-        out = torch.empty_like(q)
+        h = k_cache.shape[2]
+        k_flat, v_flat = k_cache.view(-1, h, k_cache.shape[-1]), v_cache.view(-1, h, v_cache.shape[-1])
+        out = q.new_empty(*q.shape[:-1], v_cache.shape[-1])
         for r0, r1, slots, lo in self.variant_plans[variant]:
             k, v = take(k_flat, slots).to(q.dtype), take(v_flat, slots).to(q.dtype)
             out[r0:r1] = attend(q[r0:r1], k, v, variant, lo)
@@ -382,14 +390,19 @@ def take(flat, slots):
 # %% ../nbs/03_paged.ipynb #695d7d51
 class PoolFormat(abc.ABC):
     """What a `KV_FORMATS` entry provides: a way to store the pool other than this chapter's (K and V in the model's
-    dtype). Its pool is a `PagedKVCache` whose `format_name` is the format's `name`. Three answers the engine reads:
+    dtype). Its pool is a `PagedKVCache` whose `format_name` is the format's `name`. Four answers the engine reads:
     `truncatable`, whether every token of a block can be dropped (`BlockTable.truncate`); `movable`, whether
     `read_blocks` / `write_blocks` move every token of a block; `runs_all`, whether attention reads it as it reads plain
-    K/V, so it runs every behaviour of a model (else only those paired with it, chapter 00a's `runs_behaviours`)."""
+    K/V, so it runs every behaviour of a model (else only those paired with it, chapter 00a's `runs_behaviours`);
+    `made_for(cfg)`, whether a model of `cfg` is stored in this format unless the user says otherwise."""
     name: str
     truncatable = True
     movable = True
     runs_all = True
+
+    def made_for(self, cfg):
+        "Whether this format is a model's own (one made for a kind of attention that stores something else): none here."
+        return False
 
     @abc.abstractmethod
     def block_bytes(self, cfg, block_size):

@@ -13,7 +13,8 @@ import pytest, torch
 
 from minfer.model import ModelConfig, NoCache, load_model
 from minfer.families import tiny_random_model
-from minfer.mla import LatentCache, GroupLimitedExperts
+from minfer.mla import LatentCache, LatentPool, GroupLimitedExperts
+from minfer.paged import PagedKVCache, kv_token_bytes
 from minfer.roofline import kv_bytes_per_token
 from minfer.llm import LLM
 from minfer.sequence import SamplingParams
@@ -133,22 +134,96 @@ SWITCHES = {"default": {},
             "torch, chunked prefill of 8 tokens": dict(kernels="torch", max_num_batched_tokens=8)}
 
 
+def assert_logprobs_equal_transformers(ref, outs):
+    """Each output's generated tokens' log-probs (the first from the prompt's last row, the others from decode steps)
+    and its prompt's, where it asked for them, as transformers'."""
+    for o in outs:
+        ids = torch.tensor(o.prompt_token_ids + o.token_ids)
+        with torch.inference_mode():
+            theirs = torch.log_softmax(ref(ids[None]).logits[0].float(), -1)
+        got = [d[t] for d, t in zip(o.samples[0].logprobs, o.token_ids)]
+        if o.prompt_logprobs is not None:  # a request for them computes its whole prompt, cache or not
+            got = [next(iter(d.values())) for d in o.prompt_logprobs[1:]] + got
+        want = theirs[:-1].gather(1, ids[1:, None])[-len(got):, 0]
+        assert (torch.tensor(got) - want).abs().max() < 1e-4, o.prompt_token_ids
+
+
 @pytest.mark.parametrize("switches", SWITCHES)
 def test_llm_matches_transformers(tiny, switches):
-    "Through `LLM(folder)`: greedy tokens and prompt log-probs as transformers'."
+    """Through `LLM(folder)`, its latent pool chosen by itself: three prompts of different lengths in one batch,
+    greedy tokens and the log-probs of prompt and output tokens as transformers'."""
     folder, ref = tiny("yarn, query bottleneck, experts")
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=0, logprobs=0)
     with LLM(str(folder), dtype="float32", **SWITCHES[switches]) as llm:
+        assert llm.kv_dtype == "latent" and isinstance(llm.engine.cache, LatentPool)
         outs = llm.generate(PROMPTS, params, raw=True)
     for o in outs:
         assert o.token_ids == reference_greedy(ref, o.prompt_token_ids, 8), o.prompt_token_ids
-        ids = torch.tensor(o.prompt_token_ids)
-        with torch.inference_mode():
-            theirs = torch.log_softmax(ref(ids[None]).logits[0].float(), -1)
-        want = theirs[:-1].gather(1, ids[1:, None])[:, 0]
-        got = torch.tensor([next(iter(d.values())) for d in o.prompt_logprobs[1:]])
-        assert (got - want).abs().max() < 1e-4
+    assert_logprobs_equal_transformers(ref, outs)
     assert len(outs[0].prompt_token_ids) >= 48
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_prefix_cache_hit_on_the_latent_pool(tiny, case):
+    "A second prompt that shares the first's opening blocks reads their cached rows, and still equals transformers."
+    folder, ref = tiny(case)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
+    with LLM(str(folder), dtype="float32", prefix_cache=True, kernels="torch", max_num_batched_tokens=16) as llm:
+        first = llm.generate(LONG, params, raw=True)[0]
+        again = llm.generate(LONG + " So do printers.", params, raw=True)[0]
+    assert first.metrics["num_cached_tokens"] == 0 and again.metrics["num_cached_tokens"] >= 32
+    assert_logprobs_equal_transformers(ref, [first, again])
+    for o in (first, again):
+        assert o.token_ids == reference_greedy(ref, o.prompt_token_ids, 4)
+
+
+def test_the_latent_pool_holds_only_latent_and_rope_key(tiny):
+    """The pool's bytes per token: (kv_lora_rank + qk_rope_head_dim) x layers x the dtype's bytes, against the naive
+    path's decompressed K and V in chapter 03's pool (kv_dtype set to the model's dtype)."""
+    folder, _ = tiny("yarn, query bottleneck, experts")
+    cfg = ModelConfig.from_folder(folder)
+    spec, layers = cfg.attention_spec, cfg.num_hidden_layers
+    floor = (spec.kv_lora_rank + spec.qk_rope_head_dim) * layers
+    with LLM(str(folder), dtype="float32", kernels="torch") as llm:
+        pool = llm.engine.cache
+        latent = pool.nbytes / (pool.num_blocks * pool.block_size)
+    assert latent == floor * 4
+    assert kv_token_bytes(cfg, "latent") == floor * 2  # the format counts bf16 unless told
+    with LLM(str(folder), dtype="float32", kernels="torch", kv_dtype="float32") as llm:
+        naive = llm.engine.cache.nbytes / (llm.engine.cache.num_blocks * llm.engine.cache.block_size)
+        assert type(llm.engine.cache) is PagedKVCache
+    assert naive == kv_bytes_per_token(cfg) > 4 * latent
+
+
+def test_a_broken_latent_pool_fails_the_comparison(tiny, monkeypatch):
+    "The rows stored without their RoPE key part: the engine's log-probs must move past 1e-4."
+    folder, ref = tiny("yarn, query bottleneck, experts")
+    store = LatentPool.store
+    def store_latent_only(self, layer, slots, rows):
+        store(self, layer, slots, torch.cat([rows[:, :self.values], torch.zeros_like(rows[:, self.values:])], -1))
+    monkeypatch.setattr(LatentPool, "store", store_latent_only)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=0, logprobs=0)
+    with LLM(str(folder), dtype="float32", kernels="torch") as llm:
+        outs = llm.generate(PROMPTS[:1], params, raw=True)
+    with pytest.raises(AssertionError):
+        assert_logprobs_equal_transformers(ref, outs)
+
+
+def test_the_latent_pool_refuses_other_models_in_one_line(model_dir):
+    with pytest.raises(ValueError, match="kv_dtype='latent' stores latent attention's rows") as e:
+        LLM(model_dir, kv_dtype="latent", kernels="torch", attention="torch")
+    assert "\n" not in str(e.value)
+
+
+def test_the_other_attention_backends_are_refused_in_one_line(tiny):
+    "They read chapter 03's pool of K and V; the latent pool has a torch reader only."
+    folder, _ = tiny("yarn, query bottleneck, experts")
+    from minfer.engine import EngineConfig
+    with pytest.raises(ValueError, match="does not read kv_dtype='latent'") as e:
+        EngineConfig(model=str(folder), dtype="float32", kernels="cpu", attention="cpu").resolve()
+    assert "\n" not in str(e.value)
+    naive = EngineConfig(model=str(folder), dtype="float32", kernels="cpu", attention="cpu", kv_dtype="float32")
+    assert naive.resolve().kv_dtype == "float32"
 
 
 def test_the_one_call_step_refuses_latent_attention(tiny):
