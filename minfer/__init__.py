@@ -11,8 +11,8 @@ import importlib
 # constraints, subcommands, server routes, and the switches each chapter adds to the engine's config.
 CHAPTERS = ("model", "roofline", "tokenizer", "naive", "kvcache", "sampling", "sequence", "sequential", "paged",
             "radix", "flash", "cpu_kernels", "cpu_step", "scheduler", "engine", "llm", "protocol", "serve", "cli",
-            "chat", "awq", "awq_kernels", "formats", "format_kernels", "kvquant", "kivi", "speculative", "eagle",
-            "trees", "disagg", "families", "moe", "sinks", "mla", "tp", "cluster", "structured")
+            "chat", "awq", "awq_kernels", "formats", "format_kernels", "kvquant", "kivi", "step_times", "speculative",
+            "eagle", "trees", "disagg", "families", "moe", "sinks", "mla", "tp", "cluster", "structured")
 PUBLIC = {"LLM": "llm", "RequestOutput": "llm", "Completion": "llm", "SamplingParams": "sampling"}
 
 
