@@ -10,7 +10,8 @@ __all__ = ['SequentialEngine', 'make_workload', 'run_workload', 'workload_sequen
 # %% ../nbs/02d_sequential.ipynb #b2c0a006
 import math, random, time
 import torch
-from .model import NoCache, data_dir
+from .model import NoCache
+from .naive import text_path
 from .kvcache import ContiguousKVCache
 from .roofline import Ledger
 from .sequence import SamplingParams, Sequence
@@ -80,7 +81,7 @@ def make_workload(tokenizer, n, *, seed=0, arrival="all", rate=4.0, prompt_media
                   out_max=128, text=None):
     "n requests as (arrival_time_s, prompt_ids, max_tokens); see the chapter for the distributions."
     rng = random.Random(seed)
-    text = text or (data_dir() / "text" / "course.txt").read_text()
+    text = text or text_path("course.txt").read_text()
     ids = tokenizer.encode(text)
     reqs, t = [], 0.0
     for _ in range(n):
