@@ -21,9 +21,9 @@ from .cli import COMMANDS, Command
 # %% ../nbs/10_step_times.ipynb #ab41c9f6
 def time_decode_step(runner, seqs, rows_each, at=200, repeats=3):
     """Median seconds of one forward of `runner` (chapter 06b's `ModelRunner`) over `seqs` sequences at position `at`
-    with `rows_each` decode rows each (each sequence computing `rows_each` tokens in one pass). The sequences share one block
-    table (a step's time does not depend on whose keys it reads, nor on the tokens), taken from the runner's pool and
-    given back; `at` is lowered to what a small pool holds."""
+    with `rows_each` decode rows each (each sequence computing `rows_each` tokens in one pass). The sequences share
+    one block table (a step's time does not depend on whose keys it reads, nor on the tokens), taken from the runner's
+    pool and given back; `at` is lowered to what a small pool holds."""
     dev, cache = runner.model.device, runner.cache
     at = min(at, cache.allocator.num_free * cache.block_size - rows_each)
     if at < 0:
@@ -145,5 +145,5 @@ def run_calibrate(args):
         print(f"{rows:3d} rows: {t:5.2f} one-row steps")
     print(f"kept in {calibration_path()}")
 
-COMMANDS.register("calibrate", Command("measure this machine's step times against their rows, and keep them (chapter 10)",
-                                       add_engine_args, run_calibrate))
+COMMANDS.register("calibrate", Command("measure this machine's step times against their rows, and keep them "
+                                       "(chapter 10)", add_engine_args, run_calibrate))
