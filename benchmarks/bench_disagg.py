@@ -9,7 +9,8 @@ import argparse, json, os, random, sys, time
 from pathlib import Path
 
 import torch
-from minfer.engine import EngineConfig, build_model, build_engine, serve, usable_cores
+from minfer.engine import EngineConfig, build_model, build_engine, usable_cores
+from minfer.sequential import run_workload
 from minfer.disagg import DisaggEngine
 from minfer.gguf import data_dir
 from minfer.tokenizer import Tokenizer
@@ -52,7 +53,7 @@ def main(argv=None):
     res = dict(machine=f"{os.cpu_count()}-core {open('/proc/cpuinfo').read().split('model name')[1].split(':')[1].split(chr(10))[0].strip()}",
                cores=len(cores), split_cores=[split.config.prefill_cores, split.config.decode_cores],
                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), n=a.n, runs=[])
-    serve(systems["co-located"], workload(tok, 2, 5.0, 99), tok)  # warm-up
+    run_workload(systems["co-located"], workload(tok, 2, 5.0, 99), tok)  # warm-up
     for rate in map(float, a.rates.split(",")):
         work = workload(tok, a.n, rate, seed=int(rate * 100))
         for name in ("co-located", "co-located, chunked", "split"):
@@ -60,7 +61,7 @@ def main(argv=None):
                 else systems["co-located"]
             if name == "split": split.worker_stats()  # drain
             t0 = time.perf_counter()
-            seqs, elapsed = serve(eng, work, tok)
+            seqs, elapsed = run_workload(eng, work, tok)
             run = dict(system=name, rate=rate, t0=t0, **record(seqs, elapsed))
             if name == "split":
                 st = split.worker_stats()

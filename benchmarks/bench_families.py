@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from minfer import LLM  # every chapter loaded: its weight formats, kernels and switches
 from minfer.gguf import default_model_dir
-from minfer.engine import make_workload
+from minfer.sequential import make_workload
 from minfer.families import tiny_random_model
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -15,7 +15,8 @@ import argparse, datetime, statistics, sys, time
 from pathlib import Path
 
 import torch
-from minfer.engine import EngineConfig, build_model, build_engine, workload_sequence
+from minfer.engine import EngineConfig, build_model, build_engine
+from minfer.sequential import workload_sequence
 from minfer.paged import KV_FORMATS, kv_token_bytes
 from minfer.gguf import default_model_dir, data_dir
 from minfer.tokenizer import Tokenizer

@@ -13,7 +13,8 @@ import torch
 from minfer import LLM  # every chapter loaded: its weight formats, kernels and switches
 from minfer.gguf import data_dir
 from minfer.sequence import SamplingParams
-from minfer.speculative import SPECULATORS, speculative_config, machine_step_times
+from minfer.speculative import SPECULATORS, speculative_config
+from minfer.step_times import machine_step_times
 from minfer.roofline import measure_bandwidth, weight_bytes_per_step
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from minfer import LLM  # every chapter loaded: its weight formats, kernels and switches
 from minfer.gguf import default_model_dir
-from minfer.engine import make_workload
+from minfer.sequential import make_workload
 from minfer.sequence import SamplingParams
 from minfer.roofline import measure_bandwidth, measure_matmul_flops, weight_bytes_per_step
 

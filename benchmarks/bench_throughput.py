@@ -3,7 +3,7 @@ vs transformers' `generate` in padded static batches (in its own venv over the p
 Same model, dtype, prompts and output lengths, alternating, medians.
 
 Mixes (64 requests each, real text from data/text/course.txt, all arriving at once, outputs uniform in [16, 128]):
-- decode-heavy: `minfer.engine.make_workload(seed=0)`: prompt lengths log-normal, median 64 tokens, clipped to [8, 512];
+- decode-heavy: `minfer.sequential.make_workload(seed=0)`: prompt lengths log-normal, median 64 tokens, clipped to [8, 512];
 - prefill-heavy: prompt lengths uniform in [100, 500] tokens (seed 1).
 transformers runs batches of `--hf-batch` requests, left-padded, each batch generating until its longest member's output
 length; only each request's own tokens count as useful output (the rest of its row is the price of static batching).
@@ -21,7 +21,7 @@ from minfer import LLM  # every chapter loaded: its weight formats, kernels and 
 from minfer.model import ModelConfig
 from minfer.gguf import default_model_dir, data_dir
 from minfer.tokenizer import Tokenizer
-from minfer.engine import make_workload
+from minfer.sequential import make_workload
 from minfer.sequence import SamplingParams
 from minfer.roofline import measure_bandwidth, weight_bytes_per_step
 

@@ -12,8 +12,8 @@ import importlib
 CHAPTERS = ("gguf", "model", "roofline", "tokenizer", "naive", "kvcache", "sampling", "sequence", "sequential",
             "paged", "radix", "flash", "cpu_kernels", "cpu_step", "scheduler", "engine", "llm", "protocol",
             "engine_loop", "serve", "cli", "chat", "awq", "awq_kernels", "formats", "format_kernels", "kvquant",
-            "kivi", "speculative", "eagle", "trees", "workers", "disagg", "families", "moe", "sinks", "mla", "tp",
-            "cluster", "structured")
+            "kivi", "step_times", "speculative", "eagle", "trees", "workers", "disagg", "families", "moe", "sinks",
+            "mla", "tp", "cluster", "structured")
 PUBLIC = {"LLM": "llm", "RequestOutput": "llm", "Completion": "llm", "SamplingParams": "sampling"}
 
 

@@ -6,15 +6,15 @@ Docs: https://minfer.github.io/minfer/awq.html.md"""
 
 # %% auto #0
 __all__ = ['AWQ_BITS', 'MAX_Q', 'AWQ_ORDER', 'AWQ_REVERSE_ORDER', 'PROJECTIONS', 'AWQ_KERNELS', 'TOKENIZER_FILES', 'SUPPORTED',
-           'AWQ_PATH', 'QUANTIZE_METHODS', 'quantize_groups', 'dequantize_groups', 'fake_quantize', 'text_path',
-           'calibration_ids', 'capture_inputs', 'calibration_start', 'search_scale', 'search_clip', 'apply_clip',
-           'awq_transform', 'pack_awq_int4', 'unpack_awq_int4', 'pack_awq', 'dequantize_awq', 'AWQKernel',
-           'KernelRegistry', 'KernelLinear', 'AWQLinear', 'fuse_awq', 'quantization_config', 'checkpoint_projections',
+           'AWQ_PATH', 'QUANTIZE_METHODS', 'quantize_groups', 'dequantize_groups', 'fake_quantize', 'calibration_ids',
+           'capture_inputs', 'calibration_start', 'search_scale', 'search_clip', 'apply_clip', 'awq_transform',
+           'pack_awq_int4', 'unpack_awq_int4', 'pack_awq', 'dequantize_awq', 'AWQKernel', 'KernelRegistry',
+           'KernelLinear', 'AWQLinear', 'fuse_awq', 'quantization_config', 'checkpoint_projections',
            'dense_checkpoint_tensors', 'quantize_model_tensors', 'quantize_folder', 'is_awq_folder', 'check_awq_config',
-           'load_projections', 'load_awq_model', 'awq_bytes_per_token', 'QuantizeMethod', 'run_quantize', 'perplexity']
+           'load_projections', 'load_awq_model', 'awq_bytes_per_token', 'QuantizeMethod', 'run_quantize']
 
 # %% ../nbs/08_awq.ipynb #9cda7a9a
-import json, math, shutil, sys
+import json, shutil, sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -25,11 +25,13 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from .model import (DTYPES, QUANT_METHODS, Llama, ModelConfig, NoCache, PackedCausal, Registry, WeightFormat,
+from .model import (DTYPES, QUANT_METHODS, Llama, ModelConfig, PackedCausal,
+                          Registry, WeightFormat,
                           check_model_folder, load_model, register_weight_format, make_rope, check_behaviours)
 from .gguf import data_dir
 from .roofline import DTYPE_BYTES, PackedLinear, can_pack, param_counts
 from .tokenizer import Tokenizer
+from .naive import text_path
 from .cli import COMMANDS, Command
 from .llm import VLLM_ARGUMENTS
 
@@ -72,14 +74,6 @@ def fake_quantize(w, group_size=64):
     return ((q - zeros) * s).reshape(w.shape).to(w.dtype)
 
 # %% ../nbs/08_awq.ipynb #a33bf738
-def text_path(name):
-    "Path of a shipped text file (`data/text/<name>`), or one clear error."
-    path = data_dir() / "text" / name
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: the calibration and evaluation texts ship in the source "
-                                "checkout's data/text/")
-    return path
-
 def calibration_ids(tokenizer, n_samples=16, seq_len=512, text=None):
     """[n_samples, seq_len] token ids: the calibration text cut into blocks of seq_len tokens, n_samples of them evenly
     spaced over the whole text. AutoAWQ's `get_calib_dataset` likewise draws its samples from all of its dataset
@@ -623,19 +617,3 @@ def run_quantize(a):
 COMMANDS.register("quantize", Command(
     "write a quantized copy of a model folder (chapter 08: AWQ int4; --method lists every format)",
     _quantize_args, run_quantize))
-
-# %% ../nbs/08_awq.ipynb #d382bb9b
-@torch.no_grad()
-def perplexity(model, token_ids, chunk=256):
-    "exp(mean -log p(token | the earlier tokens of its chunk)) over `token_ids`, in chunks of `chunk` predictions."
-    ids = torch.as_tensor(list(token_ids), dtype=torch.long)
-    if len(ids) < 2:
-        raise ValueError("perplexity needs at least two tokens")
-    nll, count = 0.0, 0
-    for start in range(0, len(ids) - 1, chunk):
-        piece = ids[start:start + chunk + 1].to(model.device)
-        positions = torch.arange(len(piece) - 1, device=piece.device)
-        logprobs = model(piece[:-1], positions, NoCache()).float().log_softmax(-1)
-        nll -= logprobs.gather(-1, piece[1:, None]).sum().item()
-        count += len(piece) - 1
-    return math.exp(nll / count)

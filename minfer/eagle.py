@@ -24,7 +24,8 @@ from .model import ModelConfig, DecoderLayer, NoCache, PackedCausal, Registry, m
 from .gguf import default_model_dir
 from .paged import ATTENTION_BACKENDS, PagedKVCache, BlockTable, OutOfBlocks, build_batch_meta
 from .sequence import SamplingParams
-from .speculative import SPECULATORS, Speculator, Draft, median_seconds
+from .speculative import SPECULATORS, Speculator, Draft
+from .step_times import median_seconds
 from .cli import COMMANDS, Command
 from .llm import LLM
 from .cpu_step import StepLlama, cpu_step_kernels, step_call, weight_table

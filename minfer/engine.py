@@ -7,11 +7,10 @@ Docs: https://minfer.github.io/minfer/engine.html.md"""
 # %% auto #0
 __all__ = ['SWITCHES', 'CONFIG_RULES', 'KERNELS', 'WORKER_ENGINES', 'ModelRunner', 'LLMEngine', 'Switch', 'EngineConfig',
            'parse_cores', 'usable_cores', 'Rule', 'auto_fields', 'auto_candidates', 'all_rules', 'resolve_config',
-           'worker_engine', 'build_model', 'engine_options', 'attach_switches', 'build_engine', 'make_workload',
-           'serve', 'workload_sequence', 'summarize', 'plot_gantt']
+           'worker_engine', 'build_model', 'engine_options', 'attach_switches', 'build_engine']
 
 # %% ../nbs/06b_engine.ipynb #eca06449
-import collections, importlib, json, math, os, random, sys, time
+import collections, importlib, json, os, sys, time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -594,70 +593,3 @@ def build_engine(config, model=None):
     if config.kv != "paged":
         return SequentialEngine(model, kv=config.kv, projection_bits=WEIGHT_FORMATS[config.weights].bits(config.dtype))
     return attach_switches(LLMEngine(model, **engine_options(config)), config)
-
-# %% ../nbs/06b_engine.ipynb #e634b784
-def make_workload(tokenizer, n, *, seed=0, arrival="all", rate=4.0, prompt_median=64, prompt_max=512, out_min=16,
-                  out_max=128, text=None):
-    "n requests as (arrival_time_s, prompt_ids, max_tokens); see the chapter for the distributions."
-    from minfer.gguf import data_dir
-    rng = random.Random(seed)
-    text = text or (data_dir() / "text" / "course.txt").read_text()
-    ids = tokenizer.encode(text)
-    reqs, t = [], 0.0
-    for _ in range(n):
-        plen = int(min(max(rng.lognormvariate(math.log(prompt_median), 0.6), 8), prompt_max, len(ids) - 1))
-        start = rng.randrange(0, len(ids) - plen)
-        if arrival == "poisson":
-            t += rng.expovariate(rate)
-        reqs.append((t if arrival == "poisson" else 0.0, ids[start:start + plen], rng.randint(out_min, out_max)))
-    return reqs
-
-# %% ../nbs/06b_engine.ipynb #f4207af8
-def serve(engine, workload, tokenizer, eos_ids=()):
-    """Replay (arrival, prompt_ids, max_tokens) against the wall clock on `engine`; -> finished sequences,
-    elapsed seconds."""
-    pending = sorted(workload, key=lambda r: r[0])
-    seqs, start = [], time.perf_counter()
-    while pending or engine.has_unfinished():
-        now = time.perf_counter() - start
-        while pending and pending[0][0] <= now:
-            arr, ids, n = pending.pop(0)
-            s = workload_sequence(ids, n, tokenizer, eos_ids)
-            s.metrics.arrival_time = start + arr
-            engine.add(s)
-            seqs.append(s)
-        if engine.has_unfinished():
-            engine.step()
-        elif pending:
-            time.sleep(min(0.01, max(0.0, pending[0][0] - now)))
-    return seqs, time.perf_counter() - start
-
-def workload_sequence(ids, max_tokens, tokenizer, eos_ids=()):
-    "A greedy sequence that generates exactly `max_tokens` (benchmarks fix output lengths)."
-    return Sequence(ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), tokenizer, eos_ids)
-
-def summarize(seqs, elapsed):
-    "Throughput and latency percentiles of finished sequences."
-    pct = lambda xs, q: sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
-    ttft = [s.metrics.ttft for s in seqs]
-    tpot = [s.metrics.tpot for s in seqs if s.metrics.tpot is not None]
-    toks = sum(len(s.output_ids) for s in seqs)
-    return dict(tokens_per_s=toks / elapsed, ttft_p50=pct(ttft, .5), ttft_p99=pct(ttft, .99),
-                tpot_p50=pct(tpot, .5), tpot_p99=pct(tpot, .99), elapsed=elapsed)
-
-# %% ../nbs/06b_engine.ipynb #d4c4021c
-def plot_gantt(engine, seqs, ax=None, title="continuous batching: who ran in which step"):
-    "Rows: requests; columns: engine steps; dark = prefill chunk, light = decode token."
-    import numpy as np, matplotlib.pyplot as plt
-    ax = ax or plt.subplots(figsize=(8, 3))[1]
-    index = {s.id: i for i, s in enumerate(seqs)}
-    grid = np.zeros((len(seqs), len(engine.history)))
-    for j, (_, kinds, _) in enumerate(engine.history):
-        for sid, n, kind in kinds:
-            if sid in index:
-                grid[index[sid], j] = 2 if kind == "prefill" else 1
-    ax.imshow(grid, aspect="auto", cmap="Blues", vmin=0, vmax=2, interpolation="nearest")
-    ax.set_xlabel("engine step")
-    ax.set_ylabel("request")
-    ax.set_title(title)
-    return ax

@@ -18,8 +18,9 @@ from minfer.gguf import data_dir
 from minfer.tokenizer import Tokenizer
 from minfer.awq import (AWQLinear, awq_bytes_per_token, awq_transform, calibration_ids, check_awq_config,
                         dequantize_awq, dequantize_groups, fake_quantize, fuse_awq, is_awq_folder, load_awq_model,
-                        pack_awq, pack_awq_int4, perplexity, quantize_folder, quantize_groups, search_clip, apply_clip,
+                        pack_awq, pack_awq_int4, quantize_folder, quantize_groups, search_clip, apply_clip,
                         unpack_awq_int4)
+from minfer.naive import perplexity
 
 
 # ---- AutoAWQ's code, verbatim (https://github.com/casper-hansen/AutoAWQ, MIT License, Copyright (c) 2023 MIT HAN Lab):

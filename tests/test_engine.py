@@ -9,7 +9,8 @@ import random
 import pytest, torch
 from hypothesis import given, settings, HealthCheck, strategies as st
 
-from minfer.engine import LLMEngine, make_workload
+from minfer.engine import LLMEngine
+from minfer.sequential import make_workload
 from minfer.paged import PagedKVCache
 from minfer.kvquant import QuantizedKVCache, kv_logprobs
 from minfer.kivi import Int4KVCache

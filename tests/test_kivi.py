@@ -267,7 +267,7 @@ def test_auto_picks_what_reads_the_format(model_dir):
 
 @pytest.fixture(scope="module")
 def quality(model, tokenizer):
-    from minfer.awq import text_path
+    from minfer.naive import text_path
     ids = tokenizer.encode(text_path("evaluation.txt").read_text())[:256]
     return kv_quality(model, ids, ["int8", "int4"], chunk=32)
 

@@ -139,7 +139,7 @@ def test_engine_runs_int8_and_its_bytes_per_token_count_the_smaller_kv(model_dir
 
 @pytest.fixture(scope="module")
 def quality(model, tokenizer):
-    from minfer.awq import text_path
+    from minfer.naive import text_path
     ids = tokenizer.encode(text_path("evaluation.txt").read_text())[:256]
     return kv_quality(model, ids, ["int8", "fp8"], chunk=32)
 
@@ -159,7 +159,7 @@ def test_fp8_within_its_bound_on_two_texts_and_rotation_pays(model, tokenizer, q
     """fp8 within 1.5% of full precision's perplexity on two different texts (256 tokens each; measured +0.48% and
     -1.11%; on 1,024 tokens +0.19% and +0.25%), and its KL to full precision below 0.9 of the same format with keys
     not rotated (measured 0.78 and 0.80 of it here; 0.64 and 0.70 on 1,024 tokens)."""
-    from minfer.awq import text_path
+    from minfer.naive import text_path
     monkeypatch.setitem(KV_FORMATS, "fp8_plain", KVFormat("fp8_plain", torch.float8_e4m3fn, 448.0))
     monkeypatch.setitem(KV_READERS, ("torch", "fp8_plain"), PagedAttention)
     ids = tokenizer.encode(text_path(text).read_text())[:256]

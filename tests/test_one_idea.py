@@ -30,6 +30,7 @@ VOCABULARY = {
     "09_kvquant": ["kv_dtype", "kvquant", "kv_quant"],
     # 09a's 4-bit KV; "int4" alone is chapter 08's word (4-bit weights)
     "09a_kivi": ["kivi", "residual_slot", "res_owner", "int4_tile", "attention_int4", "int4 kv"],
+    "10_step_times": ["step_times", "time_decode_step", "runner_signature"],
     "10a_speculative": ["speculat", "draft", "ngram", "prompt_lookup", "proposer", "num_speculative_tokens",
                         "SPECULATORS", "accepted_tokens", "spec_judged", "spec_accepted"],
     "10b_eagle": ["eagle"],

@@ -14,7 +14,8 @@ from minfer.engine import LLMEngine, EngineConfig
 from minfer.speculative import SPECULATORS, SpeculativeConfig
 from minfer.llm import LLM
 from minfer.sequence import Sequence, SamplingParams
-from minfer.speculative import ngram_propose, rejection_sample, speculation_lengths, expected_tokens, step_time
+from minfer.speculative import ngram_propose, rejection_sample, speculation_lengths, expected_tokens
+from minfer.step_times import step_time
 from test_engine import TEXTS, assert_solo, greedy, pool, run
 
 # prompts whose continuations repeat what came before: prompt lookup has something to find
@@ -219,30 +220,30 @@ def test_adaptive_k_reads_this_machines_curve_measured_once(model_dir, tmp_path,
     """The first adaptive engine measures the verify-step curve on this machine (one sequence, then 8) and keeps it
     under data_dir(), keyed by machine and runner; the next reads it; `remeasure` and an unreadable table measure
     again. The curve is time in one-row steps: 1 at one row, and a 72-row step costs more than a one-row one."""
-    import minfer.speculative as sp
+    import minfer.step_times as st
     monkeypatch.setenv("MINFER_HOME", str(tmp_path))
     llm = LLM(model_dir, speculative="ngram")  # named alone: adaptive
     spec = llm.engine.lookahead
     assert llm.config.speculative.adaptive and spec.pass_cost == 0.0
     table = json.loads((tmp_path / "step_times.json").read_text())
     [(key, entry)] = table.items()
-    assert key.startswith(sp.machine_name(torch.device("cpu"))) and sp.runner_signature(llm.engine.runner) in key
+    assert key.startswith(st.machine_name(torch.device("cpu"))) and st.runner_signature(llm.engine.runner) in key
     curve = tuple(map(tuple, entry["curve"]))
     assert spec.curve == curve and curve[0] == (1, 1.0) and [r for r, _ in curve] == [1, 2, 3, 5, 8, 16, 24, 40, 72]
     assert curve[-1][1] > 1.5 and entry["one_row_seconds"] > 0
     def measured(runner):
         raise AssertionError("measured again")
     with monkeypatch.context() as m:  # a second engine reads the table
-        m.setattr(sp, "measure_step_times", measured)
+        m.setattr(st, "measure_step_times", measured)
         assert LLM(model_dir, speculative="ngram").engine.lookahead.curve == curve
         with pytest.raises(AssertionError, match="measured again"):
-            sp.machine_step_times(llm.engine.runner, remeasure=True)
+            st.machine_step_times(llm.engine.runner, remeasure=True)
     (tmp_path / "step_times.json").write_text("{not json")
-    assert sp.machine_step_times(llm.engine.runner)[0][0] == (1, 1.0)  # measured again, and the table written whole
+    assert st.machine_step_times(llm.engine.runner)[0][0] == (1, 1.0)  # measured again, and the table written whole
     assert list(json.loads((tmp_path / "step_times.json").read_text())) == [key]
     # a fixed k measures nothing and reads the chapter's curve; a tree's budget is fixed by default
     fixed = LLM(model_dir, speculative={"method": "ngram", "adaptive": False}).engine.lookahead
-    assert fixed.curve == sp.STEP_TIMES and not fixed.config.adaptive
+    assert fixed.curve == st.STEP_TIMES and not fixed.config.adaptive
 
 
 def test_a_draft_pass_costs_what_it_takes_here(model_dir):
@@ -330,7 +331,8 @@ def test_acceptance_counts_read_the_true_rate(alpha, k):
 def test_a_probe_comes_where_the_prior_rate_would_earn_a_guess():
     """A request whose rate says no guesses is probed with one guess every 16 tokens only where a request with the
     prior rate would get that guess in this step: alone it is, in a batch of 8 on the measured curve it is not."""
-    from minfer.speculative import Speculator, PRIOR_ALPHA, Draft, STEP_TIMES
+    from minfer.speculative import Speculator, PRIOR_ALPHA, Draft
+    from minfer.step_times import STEP_TIMES
     from minfer.speculative import SpeculativeConfig
     class Recorder:
         cheap = False

@@ -342,8 +342,9 @@ WORKSHOP_PLANS = [
         (15, [], "break"),
         (25, ["08"], "fewer bytes per weight: INT4 weights with AWQ's scales, and what they cost in perplexity"),
         (25, ["09", "09a"], "fewer bytes per cached token: a quantized KV cache in 8 bits, then in 4 (KIVI)"),
-        (30, ["10a", "10b", "10c"], "more tokens per weight read: speculative decoding, an EAGLE head on the "
-                                    "target's own features, then token trees"),
+        (30, ["10", "10a", "10b", "10c"], "more tokens per weight read: a step's time against its rows, "
+                                          "speculative decoding, an EAGLE head on the target's own features, "
+                                          "then token trees"),
         (20, ["11"], "prefill and decode apart: the prefill/decode split"),
     ]),
 ]
