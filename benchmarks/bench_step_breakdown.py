@@ -198,12 +198,15 @@ def vllm_kinds(table, steps):
     "vLLM's key-averages table -> {kind: ms per step} from each op's self CPU time."
     kinds, total = collections.Counter(), 0.0
     for line in table.splitlines():
-        fields = re.split(r"\s{2,}", line.strip())
-        if len(fields) < 7 or not fields[1].endswith("%"):
+        # the last six columns are numbers without spaces; the name (which may hold spaces) is the rest
+        fields = line.split()
+        if len(fields) < 7 or not fields[-6].endswith("%"):
             continue
-        value, unit = re.fullmatch(r"([\d.]+)(\w+)", fields[2]).groups()
-        seconds = float(value) * UNITS[unit]
-        kind = next((k for k, pattern in VLLM_KINDS if re.search(pattern, fields[0])), "other")
+        name, self_time = " ".join(fields[:-6]), re.fullmatch(r"([\d.]+)([a-z]+)", fields[-5])
+        if self_time is None:
+            continue
+        seconds = float(self_time[1]) * UNITS[self_time[2]]
+        kind = next((k for k, pattern in VLLM_KINDS if re.search(pattern, name)), "other")
         kinds[kind] += seconds
     total_line = re.search(r"Self CPU time total: ([\d.]+)(\w+)", table)
     if total_line:
