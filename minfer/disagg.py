@@ -11,7 +11,6 @@ __all__ = ['ROLES', 'PD_RULES', 'portable', 'transfer_tag', 'Worker', 'token_new
 # %% ../nbs/11b_disagg.ipynb #9ffc0e1a
 import copy, datetime, os, queue, threading, time, traceback, weakref
 from collections import deque
-from dataclasses import replace
 from types import SimpleNamespace
 import torch
 import torch.distributed as dist

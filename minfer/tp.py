@@ -24,7 +24,7 @@ from .roofline import pack_weights
 from .roofline import DTYPE_BYTES, kv_bytes_per_token, weight_bytes_per_step
 from .paged import attention_backend, kv_cache_from_budget
 from .engine import (SWITCHES, Switch, KERNELS, LLMEngine, ModelRunner, Rule, WORKER_ENGINES, engine_options,
-                           parse_cores, usable_cores)
+                           usable_cores)
 from .cli import COMMANDS, Command
 import minfer.disagg  # chapter 11b's `pd_split` switch, which a rule of this chapter reads
 from .workers import (WorkerDied, dead_process, gloo_group, listening_store, refuse_spawned_import, stop_workers,
