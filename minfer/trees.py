@@ -258,7 +258,7 @@ class TreeSpeculator(EagleSpeculator):
                     f"'cpu' read (and kernels='step'); attention={config.attention!r} reads whole block tables")
         if config.kv_dtype in KV_FORMATS:
             return (f"speculative tree={tree!r} moves kept nodes' K/V between slots as stored in the model's dtype; "
-                    f"kv_dtype={config.kv_dtype!r} stores them quantized: use kv_dtype={config.dtype!r}")
+                    f"kv_dtype={config.kv_dtype!r} stores them another way: use kv_dtype={config.dtype!r}")
         return None
 
     def rows(self, seq, n):
