@@ -25,9 +25,11 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from .model import (DTYPES, QUANT_METHODS, Llama, ModelConfig, PackedCausal,
-                          Registry, WeightFormat,
-                          check_model_folder, load_model, register_weight_format, make_rope, check_behaviours)
+from .model import (DTYPES, QUANT_METHODS, Llama, ModelConfig, Registry, check_model_folder, load_model,
+                          make_rope)
+from .roofline import WeightFormat, register_weight_format
+from .naive import PackedCausal
+from .cpu_step import check_behaviours
 from .gguf import data_dir
 from .roofline import DTYPE_BYTES, PackedLinear, can_pack, param_counts
 from .tokenizer import Tokenizer

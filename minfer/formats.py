@@ -20,8 +20,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from .model import (DTYPES, QUANT_METHODS, WeightFormat, check_behaviours, load_model,
-                          register_weight_format)
+from .model import DTYPES, QUANT_METHODS, load_model
+from .roofline import WeightFormat, register_weight_format
+from .cpu_step import check_behaviours
 from .roofline import DTYPE_BYTES, DTYPE_PEAKS
 from .awq import (QUANTIZE_METHODS, AWQKernel, KernelLinear, KernelRegistry, QuantizeMethod, TOKENIZER_FILES,
                         checkpoint_projections, dense_checkpoint_tensors, load_projections)

@@ -20,6 +20,8 @@ VOCABULARY = {
     "00b_roofline": ["pack_weights", "PackedLinear", "can_pack"],
     "00c_tokenizer": ["jinja", "sandbox", "apply_chat_template", "compiled_chat_template"],
     "05a_flash": ["triton", "flash"],
+    # 05c's one-call step is the first path that runs only some models: what a model does is a behaviour from here
+    "05c_cpu_step": ["behaviour", "cpu_step", "step_path"],
     "07c_loop": ["engine_loop", "EngineLoop", "FINAL_EVENTS", "call_soon_threadsafe"],
     "07f_chat": ["chat_page", "chat page"],
     "08_awq": ["awq", "int4", "pack_awq_int4", "group_size"],
