@@ -1,4 +1,4 @@
-"""One question, asked of seven public models: how many bytes does one sequence cache at 4k and at 128k tokens? Fewer KV heads, a latent, windows, shared layers and a constant recurrent state each answer it.
+"""Fewer KV heads, a latent, windows, shared layers, a constant state: each cuts the bytes one sequence caches.
 
 Docs: https://minfer.github.io/minfer/kv_cache.html.md"""
 
