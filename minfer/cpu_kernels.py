@@ -122,18 +122,18 @@ void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t inter) {
 // go together, so each key and value is read from memory once for all of them. Keys come KEY_BLOCK at a time with an
 // online softmax, as flash-decoding does: each head keeps a running max and sum, and when a block raises the max, what
 // was summed so far is scaled by exp(old max - new max). No score list as long as the sequence, no second pass.
-constexpr int64_t KEY_BLOCK = 32, LANES = 16;  // LANES fp32 sums: one AVX-512 register, two AVX2 ones
+constexpr int64_t KEY_BLOCK = 32, CHUNK = 16;  // CHUNK fp32 values: one AVX-512 register, two AVX2 ones
 
-// a . b over d values, a in fp32: LANES partial sums side by side, added pairwise at the end (`omp simd reduction`
-// adds its lanes one after the other: a chain of LANES dependent adds for every key)
+// a . b over d values, a in fp32: CHUNK partial sums side by side, added pairwise at the end (`omp simd reduction`
+// adds its lanes one after the other: a chain of CHUNK dependent adds for every key)
 template <typename T>
 static inline float dot(const float* a, const T* b, int64_t d) {
-  float lanes[LANES] = {};
+  float lanes[CHUNK] = {};
   int64_t i = 0;
-  for (; i + LANES <= d; i += LANES)
+  for (; i + CHUNK <= d; i += CHUNK)
 #pragma omp simd
-    for (int64_t l = 0; l < LANES; ++l) lanes[l] += a[i + l] * Num<T>::load(b[i + l]);
-  for (int64_t half = LANES / 2; half > 0; half /= 2)
+    for (int64_t l = 0; l < CHUNK; ++l) lanes[l] += a[i + l] * Num<T>::load(b[i + l]);
+  for (int64_t half = CHUNK / 2; half > 0; half /= 2)
     for (int64_t l = 0; l < half; ++l) lanes[l] += lanes[l + half];
   float sum = lanes[0];
   for (; i < d; ++i) sum += a[i] * Num<T>::load(b[i]);
@@ -206,17 +206,17 @@ void paged_decode(const T* q, int64_t q_stride, const T* k, int64_t k_stride, co
           run_max[h] = new_max;
           for (int64_t i = 0; i < d; ++i) acc[h * d + i] *= rescale;
         }
-        for (int64_t h = 0; h < group; ++h) {  // values: LANES of d at a time, summed over the block in registers
+        for (int64_t h = 0; h < group; ++h) {  // values: CHUNK of d at a time, summed over the block in registers
           float* ah = acc + h * d;
           const float* ph = p + h * KEY_BLOCK;
           int64_t i = 0;
-          for (; i + LANES <= d; i += LANES) {
-            float sum[LANES];
-            for (int64_t l = 0; l < LANES; ++l) sum[l] = ah[i + l];
+          for (; i + CHUNK <= d; i += CHUNK) {
+            float sum[CHUNK];
+            for (int64_t l = 0; l < CHUNK; ++l) sum[l] = ah[i + l];
             for (int64_t j = 0; j < n; ++j)
 #pragma omp simd
-              for (int64_t l = 0; l < LANES; ++l) sum[l] += ph[j] * N::load(v_pool[key[j] + i + l]);
-            for (int64_t l = 0; l < LANES; ++l) ah[i + l] = sum[l];
+              for (int64_t l = 0; l < CHUNK; ++l) sum[l] += ph[j] * N::load(v_pool[key[j] + i + l]);
+            for (int64_t l = 0; l < CHUNK; ++l) ah[i + l] = sum[l];
           }
           for (; i < d; ++i)
             for (int64_t j = 0; j < n; ++j) ah[i] += ph[j] * N::load(v_pool[key[j] + i]);
