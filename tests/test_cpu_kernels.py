@@ -4,7 +4,8 @@ Each kernel against the PyTorch code it replaces (chapter 00a's modules, F.silu)
 rounding, in fp32 within float rounding. The fused model against transformers (contract 1) and against the unfused model
 (bf16: logits a few roundings apart, identical past FUSED_MAX_ROWS, where PyTorch's ops run; the tokens of each against
 fp32's). `CpuAttention` against chapter 03's `PagedAttention` on scattered blocks: the same K/V written, the same output
-to float rounding. `LLM(kernels="cpu")` greedy tokens against chapter 01's naive decode (contract 2).
+to float rounding; `paged_decode` itself against SDPA over gathered keys. `LLM(kernels="cpu")` greedy tokens against
+chapter 01's naive decode (contract 2).
 """
 import collections
 import pytest, torch
@@ -180,7 +181,7 @@ def test_cpu_attention_reads_explicit_key_lists(cfg):
     assert (got[1] - whole[1]).abs().max() > 1e-3 and torch.equal(got[0], whole[0])  # the lists changed what was read
 
 def paged_decode_call(lens, dtype, n_q, n_kv, d, bs, seed=0):
-    """`paged_decode` called directly on sequences of `lens` keys (the last one new) whose blocks lie shuffled in a pool:
+    """`paged_decode` called directly on sequences of `lens` keys (the last one new), blocks shuffled in a pool:
     (its output, fp32 reference). The reference: the pool after the same K/V write, in fp32, each sequence's keys
     gathered and handed to SDPA (query heads h * group .. read KV head h)."""
     g = torch.Generator().manual_seed(seed)
@@ -219,7 +220,7 @@ def test_paged_decode_matches_sdpa(n_q, n_kv, d, dtype):
     # relatively (and exp's 3 ulp): ~1e-5 of the largest value. bf16: also the output's rounding, 2^-8 of |x|
     tol = 1e-5 * want.abs().max() + (want.abs() * 2**-8 if dtype == torch.bfloat16 else 0)
     assert ((got.float() - want).abs() <= tol).all(), (got.float() - want).abs().max()
-    if dtype == torch.float32:  # and not by accident: these outputs are far apart from a plain mean of V
+    if dtype == torch.float32:  # the data is not degenerate: the rows' answers differ by far more than the tolerance
         assert (want - want.mean(0)).abs().max() > 0.1
 
 def test_cpu_attention_leaves_prefill_to_chapter_03(cfg):
