@@ -24,7 +24,8 @@ from .model import (DTYPES, QUANT_METHODS, WeightFormat, check_behaviours, load_
                           register_weight_format)
 from .roofline import DTYPE_BYTES, DTYPE_PEAKS
 from .awq import (QUANTIZE_METHODS, VLLM_QUANTIZATIONS, AWQKernel, KernelLinear, KernelRegistry,
-                        QuantizeMethod, TOKENIZER_FILES, checkpoint_projections, dense_checkpoint_tensors, load_projections)
+                        QuantizeMethod, TOKENIZER_FILES, checkpoint_projections, dense_checkpoint_tensors,
+                        load_projections)
 
 # %% ../nbs/08b_formats.ipynb #7b0aea75
 FP8_MAX = 448.0  # the largest finite E4M3 number (torch.float8_e4m3fn): 1.75 x 2^8
@@ -81,9 +82,9 @@ class ScaledLinear(KernelLinear):
     """y = x Wᵀ for a weight stored as float codes and scales (this chapter's formats):
     W[o, i] = value(codes[o, i]) x scale(group_scales[o, i // group]) x row_scales[o].
     codes: uint8 [out, in] (8-bit values) or [out, in/2] (two 4-bit values a byte, `pack_nibbles`); group_scales:
-    [out, in/group], codes of the scale format (uint8; fp32 numbers for "fp32"; None: no groups); row_scales: fp32 [out], what is left of a
-    per-tensor or per-row scale. A subclass names the formats: `value_format`, `scale_format`, `group`, and reads and
-    writes its checkpoint layout (`from_checkpoint`, `checkpoint_tensors`).
+    [out, in/group], codes of the scale format (uint8; fp32 numbers for "fp32"; None: no groups); row_scales: fp32
+    [out], what is left of a per-tensor or per-row scale. A subclass names the formats: `value_format`,
+    `scale_format`, `group`, and reads and writes its checkpoint layout (`from_checkpoint`, `checkpoint_tensors`).
     `forward` runs the kernel `FORMAT_KERNELS` picks; this chapter's is the definition, `reference`: dequantise,
     then matmul."""
     kernels = FORMAT_KERNELS
