@@ -350,3 +350,26 @@ def test_vllm_quantization_names_the_formats_and_reads_a_stored_folder(written):
     with pytest.raises(ValueError, match="quantization='modelopt_fp4' \\(weights='nvfp4'\\)") as e:
         LLM(str(folder), quantization="gptq")
     assert "\n" not in str(e.value)
+
+
+def test_nvfp4_with_4_bit_activations_loads_its_weights(written, tmp_path):
+    """compressed-tensors' W4A4 NVFP4 (activations `dynamic: "local"`, an `input_global_scale` per projection) loads
+    the same weights as the folder without them; the activation scale is read and left unused."""
+    name, folder, _, strategy = written
+    if name != "nvfp4" or strategy == "modelopt":
+        pytest.skip("compressed-tensors' NVFP4 only")
+    tensors = read_tensors(folder)
+    for key in [k for k in tensors if k.endswith(".weight_packed")]:
+        tensors[key.removesuffix(".weight_packed") + ".input_global_scale"] = torch.tensor([100.0])
+    w4a4 = tmp_path / "w4a4"
+    w4a4.mkdir()
+    save_file(tensors, w4a4 / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["input_activations"] = dict(
+        num_bits=4, type="float", strategy="tensor_group", group_size=16, dynamic="local", symmetric=True)
+    (w4a4 / "config.json").write_text(json.dumps(config))
+    (w4a4 / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes())
+    got, want = load_format_model(w4a4, name), load_format_model(folder, name)
+    for a, b in zip(got.modules(), want.modules()):
+        if hasattr(b, "codes"):
+            assert torch.equal(a.dequantize(), b.dequantize())
