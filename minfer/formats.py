@@ -236,11 +236,8 @@ class Nvfp4Linear(ScaledLinear):
     def from_modelopt(cls, prefix, take):
         """The same numbers as NVIDIA's Model Optimizer writes them (`quant_method: "modelopt"`, `quant_algo:
         "NVFP4"`): `weight`, packed as above, `weight_scale`, E4M3 per 16, and `weight_scale_2`, the tensor scale
-        itself (compressed-tensors stores its inverse); W = value x weight_scale x weight_scale_2. `input_scale`, the
-        activations' tensor scale for kernels that round activations to 4 bits too, is read and left unused: here
-        activations stay in the model's dtype."""
+        itself (compressed-tensors stores its inverse); W = value x weight_scale x weight_scale_2."""
         packed, scale, tensor_scale = (take(f"{prefix}.{n}") for n in ("weight", "weight_scale", "weight_scale_2"))
-        take(prefix + ".input_scale")
         if packed.dtype != torch.uint8 or scale.dtype != torch.float8_e4m3fn or tensor_scale.numel() != 1:
             raise ValueError(f"{prefix}: modelopt NVFP4 needs uint8 packed weights, float8_e4m3fn group scales and "
                              f"one weight_scale_2; got {packed.dtype}, {scale.dtype}, {tuple(tensor_scale.shape)}")
@@ -364,7 +361,18 @@ def _compressed_tensors_reader(folder, qc, name):
         raise ValueError(f"{folder}: static activation scales (input_activations {activations}) are for kernels "
                          "that multiply quantized activations; minfer scales activations as each call "
                          f"finds them; {SUPPORTED_FORMATS}")
+    if isinstance(activations, dict) and activations.get("dynamic") == "local":
+        # NVFP4 activations too (W4A4): a tensor scale per projection, its groups' scales found as each call runs
+        return _reading_unused(FORMAT_MODULES[name].from_checkpoint, "input_global_scale")
     return FORMAT_MODULES[name].from_checkpoint
+
+def _reading_unused(reader, tensor):
+    """`reader`, taking each projection's `tensor` as well and leaving it unused: an activation scale for kernels
+    that round activations to 4 bits too; here activations stay in the model's dtype."""
+    def read(prefix, take):
+        take(f"{prefix}.{tensor}")
+        return reader(prefix, take)
+    return read
 
 def _fp8_reader(folder, qc):
     "transformers' and vLLM's 'fp8': one `weight_scale` per tensor, or `weight_scale_inv` per square block."
@@ -407,7 +415,7 @@ def format_reader(folder, name):
     if layout[0] == "fp8":
         return _fp8_reader(folder, qc)
     if layout[0] == "modelopt":
-        return _modelopt_reader(folder, qc)
+        return _reading_unused(_modelopt_reader(folder, qc), "input_scale")
     return Mxfp4Linear.from_checkpoint
 
 def format_path(name):
