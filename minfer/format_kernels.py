@@ -28,8 +28,9 @@ FORMAT_CPU_SOURCE = AWQ_CPU_SOURCE + r"""
 // ---- chapter 08c: FP8 decoded in registers; MXFP4 and NVFP4 as small integers times 8-bit x ----
 #include <array>
 
-// `format_step_bytes`. FP8: the codes ([out, in] bytes), then fp32 scales [out, in / B]: one per
-// output row (B = in), or per row and B inputs (block-scaled FP8, B the `group` the call passes).
+// `format_step_bytes`. FP8: the codes ([out, in] bytes), then fp32 scales [out, ceil(in / B)]: one
+// per output row (B = in), or per row and B inputs (block-scaled FP8, B the `group` the call passes;
+// a row's last block may be shorter).
 // MXFP4 and NVFP4 (`pack_fp4x8`): per block of 16 output rows, the E2M1 codes in chapter 08a's
 // `pack_q4x8` order; then per block and group the 16 rows' scale codes; then one fp32 scale per
 // output row (out rounded up to a multiple of 16).
@@ -130,20 +131,21 @@ static void fp8_row_dots(const uint8_t* q, const float* x, int64_t n, int64_t n_
 #endif
 }
 
-// y = x W^T for x [rows, n_in] (n_in a multiple of 32), W FP8 in `step_bytes`' layout, one scale per
-// row and `block` inputs (0: per row): output rows split over OpenMP's threads, each weight row
-// decoded once per SCALED_ROWS rows of x. x is held block after block (xf[b][r][i]), so one block's
-// rows are contiguous, as `fp8_row_dots` reads them.
+// y = x W^T for x [rows, n_in] (n_in a multiple of 32, `block` of 16), W FP8 in `step_bytes`' layout,
+// one scale per row and `block` inputs (0: per row): output rows split over OpenMP's threads, each
+// weight row decoded once per SCALED_ROWS rows of x. x is held block after block (xf[b][r][i]), so
+// one block's rows are contiguous, as `fp8_row_dots` reads them.
 template <typename T>
 void fp8_matmul(const void* W, const T* x, T* y, int64_t rows, int64_t n_in, int64_t n_out,
                 int64_t block) {
-  const int64_t B = block ? block : n_in, blocks = n_in / B;
+  const int64_t B = block ? block : n_in, blocks = (n_in + B - 1) / B;
+  const auto width = [&](int64_t b) { return b * B + B <= n_in ? B : n_in - b * B; };  // the last: short
   const uint8_t* codes = static_cast<const uint8_t*>(W);
   const uint8_t* scales = codes + n_out * n_in;
   std::vector<float> xf(rows * n_in);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t i = 0; i < n_in; ++i)
-      xf[(i / B) * rows * B + r * B + i % B] = Num<T>::load(x[r * n_in + i]);
+      xf[(i / B) * rows * B + r * width(i / B) + i % B] = Num<T>::load(x[r * n_in + i]);
 #pragma omp parallel for schedule(static)
   for (int64_t o = 0; o < n_out; ++o) {
     for (int64_t r0 = 0; r0 < rows; r0 += SCALED_ROWS) {
@@ -152,7 +154,8 @@ void fp8_matmul(const void* W, const T* x, T* y, int64_t rows, int64_t n_in, int
       for (int64_t b = 0; b < blocks; ++b) {
         float dots[SCALED_ROWS], scale;
         std::memcpy(&scale, scales + 4 * (o * blocks + b), 4);
-        fp8_row_dots(codes + o * n_in + b * B, xf.data() + b * rows * B + r0 * B, n, B, dots);
+        const float* xb = xf.data() + b * rows * B + r0 * width(b);
+        fp8_row_dots(codes + o * n_in + b * B, xb, n, width(b), dots);
         for (int64_t r = 0; r < n; ++r)
           sums[r] += dots[r] * scale;
       }
@@ -462,7 +465,8 @@ def _scaled_gemm_kernel(X, Q, GS, RS, VALUES, SCALES, Y, M, N, K, stride_xm, str
         code = (byte.to(tl.int32) >> ((kk % PER_BYTE) * 4)[:, None]) & CODE_MASK
         w = tl.load(VALUES + code)  # [BLOCK_K, BLOCK_N]: each code's value, from its format's table
         if GROUP > 0:
-            scale = tl.load(GS + rn[None, :] * (K // GROUP) + (kk // GROUP)[:, None], mask=n_ok[None, :], other=0)
+            groups = (K + GROUP - 1) // GROUP  # a row's last group may be short (block-scaled FP8's)
+            scale = tl.load(GS + rn[None, :] * groups + (kk // GROUP)[:, None], mask=n_ok[None, :], other=0)
             if SCALE_CODES:  # codes of a scale format, looked up; else fp32 scales (block-scaled FP8's)
                 scale = tl.load(SCALES + scale.to(tl.int32))
             w = w * scale

@@ -12,7 +12,7 @@ __all__ = ['FP8_MAX', 'FP4_MAX', 'E2M1_VALUES', 'DECODERS', 'FORMAT_KERNELS', 'F
            'declared_format', 'format_reader', 'format_path', 'load_format_model', 'quantize_format_folder']
 
 # %% ../nbs/08b_formats.ipynb #c80fc56d
-import json, shutil
+import functools, json, shutil
 from pathlib import Path
 
 import torch
@@ -82,7 +82,7 @@ class ScaledLinear(KernelLinear):
     """y = x Wᵀ for a weight stored as float codes and scales (this chapter's formats):
     W[o, i] = value(codes[o, i]) x scale(group_scales[o, i // group]) x row_scales[o].
     codes: uint8 [out, in] (8-bit values) or [out, in/2] (two 4-bit values a byte, `pack_nibbles`); group_scales:
-    [out, in/group], codes of the scale format (uint8; fp32 numbers for "fp32"; None: no groups); row_scales: fp32
+    [out, ceil(in/group)], codes of the scale format (uint8; fp32 numbers for "fp32"; None: no groups); row_scales: fp32
     [out], what is left of a per-tensor or per-row scale. A subclass names the formats: `value_format`,
     `scale_format`, `group`, and reads and writes its checkpoint layout (`from_checkpoint`, `checkpoint_tensors`).
     `forward` runs the kernel `FORMAT_KERNELS` picks; this chapter's is the definition, `reference`: dequantise,
@@ -97,10 +97,10 @@ class ScaledLinear(KernelLinear):
         super().__init__()
         per_byte = 8 // self.value_bits
         self.out_features, self.in_features = codes.shape[0], codes.shape[1] * per_byte
-        want_groups = None if self.group == 0 else (self.out_features, self.in_features // self.group)
+        # a row's last group may be cut short (block-scaled FP8's last block of inputs)
+        want_groups = None if self.group == 0 else (self.out_features, -(-self.in_features // self.group))
         got_groups = None if group_scales is None else tuple(group_scales.shape)
-        fits = (codes.dtype == torch.uint8 and got_groups == want_groups and row_scales.shape == (self.out_features,)
-                and (self.group == 0 or self.in_features % self.group == 0))
+        fits = codes.dtype == torch.uint8 and got_groups == want_groups and row_scales.shape == (self.out_features,)
         if not fits:
             raise ValueError(f"{self.name} tensors do not fit together: codes {tuple(codes.shape)} {codes.dtype}, "
                              f"group scales {got_groups}, row scales {tuple(row_scales.shape)}; expected uint8 "
@@ -117,7 +117,7 @@ class ScaledLinear(KernelLinear):
 
     def weight_bits(self):
         "Bits per weight this module stores and a step reads: the values, the group scales, the row scales."
-        group_bits = 0 if self.group == 0 else self.scale_bits / self.group
+        group_bits = 0 if self.group == 0 else self.scale_bits * self.group_scales.shape[1] / self.in_features
         return self.value_bits + group_bits + 32 / self.in_features
 
     def dequantize(self, dtype=torch.float32):
@@ -125,7 +125,8 @@ class ScaledLinear(KernelLinear):
         codes = self.codes if self.value_bits == 8 else unpack_nibbles(self.codes)
         w = DECODERS[self.value_format](codes)
         if self.group:
-            w = w * DECODERS[self.scale_format](self.group_scales).repeat_interleave(self.group, 1)
+            scales = DECODERS[self.scale_format](self.group_scales).repeat_interleave(self.group, 1)
+            w = w * scales[:, :self.in_features]
         return (w * self.row_scales[:, None]).to(dtype)
 
     def reference(self, x):
@@ -245,49 +246,53 @@ class Nvfp4Linear(ScaledLinear):
 
 class Fp8BlockLinear(ScaledLinear):
     """FP8 weights with one scale per block of B x B weights, as DeepSeek-V3's and Qwen3's FP8 checkpoints hold them
-    (transformers' and vLLM's `quant_method: "fp8"` with `weight_block_size: [B, B]`, B = 128): `weight` in
-    float8_e4m3fn [out, in] and `weight_scale_inv`, fp32 [ceil(out/B), in/B]; W = weight x weight_scale_inv (the
-    name notwithstanding, the scale multiplies). Held as fp32 group scales [out, in/B], each block's scale repeated
-    over its B rows, so fused q/k/v keep theirs whatever their row counts."""
-    name, scale_format, scale_bits = "fp8", "fp32", 32
+    (transformers' and vLLM's `quant_method: "fp8"` with `weight_block_size: [B, B]`, B = 128; the last blocks of a
+    row or column cut short): `weight` in float8_e4m3fn [out, in] and `weight_scale_inv`, fp32
+    [ceil(out/B), ceil(in/B)]; W = weight x weight_scale_inv (the name notwithstanding, the scale multiplies). Held
+    as fp32 group scales [out, ceil(in/B)], each block's scale repeated over its B rows, so fused q/k/v keep theirs
+    whatever their row counts. Another B: the subclass `sized(B)`."""
+    name, scale_format, scale_bits, group = "fp8", "fp32", 32, 128
 
-    def __init__(self, codes, group_scales, row_scales):
-        self.group = codes.shape[1] // group_scales.shape[1]  # B, the inputs one scale covers
-        super().__init__(codes, group_scales.float(), row_scales)
+    @classmethod
+    def sized(cls, block):
+        "This class for blocks of `block` x `block` (a subclass of its own for each other size)."
+        return cls if block == cls.group else _fp8_block_class(block)
 
     @staticmethod
     def checkpoint_tensors(weight, block=128):
         "A dense weight [out, in] as checkpoint tensors: each block's scale maps its largest |w| to 448."
         out_features, in_features = weight.shape
-        if in_features % block:
-            raise ValueError(f"fp8 blocks of {block} inputs: {in_features} inputs is not a multiple of {block}")
         w = weight.float()
-        padded = F.pad(w.abs(), (0, 0, 0, -out_features % block))
-        amax = padded.reshape(-1, block, in_features // block, block).amax((1, 3))
+        padded = F.pad(w.abs(), (0, -in_features % block, 0, -out_features % block))
+        amax = padded.reshape(padded.shape[0] // block, block, -1, block).amax((1, 3))
         scale = (amax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-        per_weight = scale.repeat_interleave(block, 0)[:out_features].repeat_interleave(block, 1)
+        per_weight = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[:out_features, :in_features]
         return {"weight": e4m3_encode(w / per_weight).view(torch.float8_e4m3fn), "weight_scale_inv": scale}
 
     @classmethod
     def from_checkpoint(cls, prefix, take, block=128):
         weight, scale = take(prefix + ".weight"), take(prefix + ".weight_scale_inv")
         out_features, in_features = weight.shape
-        want = (-(-out_features // block), in_features // block)
-        if weight.dtype != torch.float8_e4m3fn or in_features % block or tuple(scale.shape) != want:
-            raise ValueError(f"{prefix}: block fp8 needs a float8_e4m3fn weight, inputs a multiple of {block} and "
-                             f"scales {want}; got {weight.dtype} {tuple(weight.shape)}, scales {tuple(scale.shape)}")
+        want = (-(-out_features // block), -(-in_features // block))
+        if weight.dtype != torch.float8_e4m3fn or tuple(scale.shape) != want:
+            raise ValueError(f"{prefix}: fp8 in blocks of {block} needs a float8_e4m3fn weight and scales {want}; "
+                             f"got {weight.dtype} {tuple(weight.shape)}, scales {tuple(scale.shape)}")
         group_scales = scale.float().repeat_interleave(block, 0)[:out_features]
-        return cls(weight.view(torch.uint8), group_scales, torch.ones(out_features))
+        return cls.sized(block)(weight.view(torch.uint8), group_scales, torch.ones(out_features))
 
     @classmethod
     def from_weight(cls, weight, block=128):
         tensors = cls.checkpoint_tensors(weight.detach(), block)
         return cls.from_checkpoint("", lambda name: tensors.pop(name.removeprefix(".")), block)
 
+@functools.cache
+def _fp8_block_class(block):
+    return type(f"Fp8Block{block}Linear", (Fp8BlockLinear,), dict(group=block))
+
 # %% ../nbs/08b_formats.ipynb #ab9258c1
 FORMAT_MODULES = {cls.name: cls for cls in (Fp8Linear, Mxfp4Linear, Nvfp4Linear)}
 FORMAT_NAMES = tuple(FORMAT_MODULES)
-FP8_BLOCK = 128  # the block side DeepSeek-V3's and Qwen3's FP8 checkpoints use (`--scales block` writes it)
+FP8_BLOCK = Fp8BlockLinear.group  # the block side DeepSeek-V3's and Qwen3's FP8 checkpoints use (`--scales block`)
 SUPPORTED_FORMATS = ("supported: compressed-tensors 'float-quantized' (8-bit float weights, strategy 'tensor' or "
                      "'channel'), 'nvfp4-pack-quantized' (4-bit float weights, strategy 'tensor_group', group size "
                      "16), both with no static activation scales; quant_method 'fp8' (one scale per tensor or per "

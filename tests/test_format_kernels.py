@@ -58,12 +58,12 @@ X86 = platform.machine() in ("x86_64", "AMD64")
 def test_every_instruction_set_path_matches(name):
     """The same source built three ways (-march=native: VNNI where the CPU has it; without AVX-512:
     AVX2's shuffle and maddubs; without AVX2 either: the plain loop), each against both references
-    (the paths this CPU can run). FP8 in blocks of 64 x 64: its weights decoded exactly, x in fp32."""
+    (the paths this CPU can run). FP8 in blocks of 128 x 128: its weights decoded exactly, x in fp32."""
     if not format_cpu_available():
         pytest.skip("no C++ compiler with OpenMP here")
     weight = torch.randn(200, 576, generator=torch.Generator().manual_seed(3)) * 0.05
     if name == "fp8-block":
-        module = Fp8BlockLinear.from_weight(weight, block=64)
+        module = Fp8BlockLinear.from_weight(weight, block=128)  # 576 inputs: the last block 64
     else:
         module = FORMAT_MODULES[name].from_weight(weight)
     w = format_step_bytes(module)
@@ -83,17 +83,19 @@ def test_every_instruction_set_path_matches(name):
                 check(y, module, x)
 
 
-@pytest.mark.parametrize("block", [32, 128])
+@pytest.mark.parametrize("block, n_in", [(32, 256), (128, 256), (128, 576)])
 @pytest.mark.parametrize("rows", [1, 3, 9, 17])
-def test_block_fp8_cpu_kernel_matches_the_reference(block, rows):
+def test_block_fp8_cpu_kernel_matches_the_reference(block, n_in, rows):
     """FP8 with one scale per block x block weights (DeepSeek-V3's 128), fused from parts of 44 rows (their last row
-    blocks cut short): decoded exactly, x in fp32; in bf16 x and y rounded, fp32 inside."""
+    blocks cut short; with 576 inputs the last block of each row too): decoded exactly, x in fp32; in bf16 x and y
+    rounded, fp32 inside."""
     if not format_cpu_available():
         pytest.skip("no C++ compiler with OpenMP here")
     torch.manual_seed(rows)
-    module = fuse_scaled([Fp8BlockLinear.from_weight(torch.randn(44, 256) * 0.05, block) for _ in range(2)])
-    assert module.group == block and FORMAT_KERNELS.pick(module, torch.zeros(1, 256)) is FORMAT_KERNELS["cpu"]
-    x = torch.randn(rows, 256)
+    module = fuse_scaled([Fp8BlockLinear.from_weight(torch.randn(44, n_in) * 0.05, block) for _ in range(2)])
+    assert module.group == block and module.group_scales.shape == (88, -(-n_in // block))
+    assert FORMAT_KERNELS.pick(module, torch.zeros(1, n_in)) is FORMAT_KERNELS["cpu"]
+    x = torch.randn(rows, n_in)
     assert torch.allclose(format_cpu_matmul(module, x), module.reference(x), atol=1e-5, rtol=1e-5)
     got_bf16 = format_cpu_matmul(module, x.bfloat16()).float()
     assert torch.allclose(got_bf16, module.reference(x.bfloat16().float()), atol=2e-2, rtol=1e-2)
@@ -134,10 +136,10 @@ def test_inputs_not_a_multiple_of_32_take_the_reference():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_kernel_matches_the_reference(name, dtype):
     """Under TRITON_INTERPRET=1 on a CPU (fp32 and fp16 only: the interpreter computes bf16 wrongly); FP8 in blocks
-    of 32 x 32 reads its fp32 scales directly, the others' scale codes through their format's table."""
+    of 48 x 48 reads its fp32 scales directly, the others' scale codes through their format's table."""
     torch.manual_seed(0)
     if name == "fp8-block":
-        module = Fp8BlockLinear.from_weight(torch.randn(40, 64) * 0.05, block=32)
+        module = Fp8BlockLinear.from_weight(torch.randn(40, 64) * 0.05, block=48)  # the last block 16 inputs
     else:
         module = FORMAT_MODULES[name].from_weight(torch.randn(40, 64) * 0.05)
     x = torch.randn(5, 64)

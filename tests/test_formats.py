@@ -93,6 +93,10 @@ def test_fp8_blocks_by_hand():
     module = Fp8BlockLinear.from_weight(w, block=2)
     assert module.group == 2 and module.group_scales.shape == (3, 2)  # a scale per row and 2 inputs
     assert torch.allclose(module.dequantize(), w, rtol=1e-6, atol=0)  # each weight on E4M3's grid of its block
+    cut = Fp8BlockLinear.checkpoint_tensors(w[:, :3], block=2)  # 3 inputs: the last column block cut short too
+    assert cut["weight_scale_inv"].shape == (2, 2)
+    assert torch.equal(cut["weight_scale_inv"][0], torch.tensor([4.0, 0.5]) / 448)  # column 2 alone: max 0.5
+    assert torch.allclose(Fp8BlockLinear.from_weight(w[:, :3], block=2).dequantize(), w[:, :3], rtol=1e-6, atol=0)
 
 
 def test_bits_per_weight_are_said_exactly():
