@@ -359,7 +359,7 @@ def _folder_refuses(c):
     stored = _stored_formats(c.model)
     if stored and c.weights not in stored:
         return f"{c.model} holds {stored[0]} weights; use weights={stored[0]!r}, not {c.weights!r}"
-    if WEIGHT_FORMATS[c.weights].stored and not stored:
+    if WEIGHT_FORMATS[c.weights].stored and not stored and not WEIGHT_FORMATS[c.weights].quantizes:
         return (f"weights={c.weights!r} loads a folder saved in that format, and {c.model} holds plain weights; "
                 "use weights='plain' or 'packed', or a folder saved as it")
     return None

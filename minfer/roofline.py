@@ -174,7 +174,8 @@ class WeightFormat:
     `step_weights`: whether its projections give the step a format of their own instead (`step_weights()`,
     e.g. chapter 08's 4-bit codes): a bool, or a function of no arguments answering it when asked (for a format
     whose step reader comes with a kernel a later chapter registers);
-    `stored`: whether it loads only from a folder saved in it (`detect` says which), not from plain weights."""
+    `stored`: whether it loads only from a folder saved in it (`detect` says which), not from plain weights;
+    `quantizes`: whether a stored format also loads a folder of plain weights, quantizing them as it loads them."""
     name: str
     load: Callable
     bits: Callable
@@ -183,6 +184,7 @@ class WeightFormat:
     plain_weights: bool = True
     step_weights: bool | Callable = False
     stored: bool = False
+    quantizes: bool = False
     dtype: str | None = None  # the dtype `dtype="auto"` picks for it, where it has one that runs fastest
     runs_all: bool = True  # whether it runs every model it loads (else: chapter 05c's behaviours)
     about: str = ""
