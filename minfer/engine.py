@@ -47,6 +47,9 @@ class ModelRunner:
         self.model, self.cache, self.attn = model, cache, attention
         self.lookahead = Lookahead()  # wants no tokens ahead; `LLMEngine.lookahead` sets the scheduler's and this one
         self.ledger = Ledger(model.cfg, str(model.dtype).removeprefix("torch."), projection_bits=projection_bits)
+        # what one token's K/V takes in this pool, its format's scales included (chapter 09), not the model's own count
+        self.ledger.kv_token_bytes = kv_token_bytes(model.cfg, cache.format_name or self.ledger.dtype,
+                                                    cache.block_size, self.ledger.dtype)
 
     def run(self, batch, copies):
         tokens, positions, meta, rows = self.prepare(batch)
@@ -143,10 +146,8 @@ class ModelRunner:
         self.ledger.record([n for _, n in batch], [s.num_computed for s, _ in batch], logits_rows=n_logits)
         tokens = sum(n for _, n in batch)
         w = weight_bytes_per_step(self.model.cfg, self.ledger.dtype, self.ledger.projection_bits, tokens) / len(batch)
-        kvb = kv_token_bytes(self.model.cfg, self.cache.format_name or self.ledger.dtype,  # ch. 09: scales too
-                             self.cache.block_size)
         for s, n in batch:
-            s.bytes_moved += w + (s.num_computed + n) * kvb
+            s.bytes_moved += w + (s.num_computed + n) * self.ledger.kv_token_bytes
 
 # %% ../nbs/06b_engine.ipynb #e1bb6271
 class LLMEngine:

@@ -393,6 +393,15 @@ class Attention(nn.Module):
         variant = cfg.layer_attention[layer]
         # a plain layer calls attention(layer, q, k, v): the simplest attentions take no variant
         self.attn_kwargs = {} if variant is None else {"variant": variant}
+    @staticmethod
+    def parameter_count(cfg, layer):
+        "Weights of `layer`'s projections (chapter 00b's byte counts; a module of its own counts its own)."
+        h, d, n_q, n_kv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        return h * (n_q + 2 * n_kv) * d + n_q * d * h
+    @staticmethod
+    def cached_numbers(cfg, layer):
+        "Numbers one token leaves in `layer`'s cache: its K and V, each kv_heads x head_dim (a module of its own says)."
+        return 2 * cfg.num_key_value_heads * cfg.head_dim
     def checkpoint_tensors(self, prefix, take, names):
         "q, k, v projections fused into one (weights, and biases where it has them), unless the checkpoint fused them."
         kinds = ("weight", "bias") if self.qkv_proj.bias is not None else ("weight",)
