@@ -6,12 +6,12 @@ Docs: https://minfer.github.io/minfer/model.html.md"""
 
 # %% auto #0
 __all__ = ['DTYPES', 'MODEL_FAMILIES', 'ROPE_SCALINGS', 'HF_ACTIVATIONS', 'ACTIVATIONS', 'QUANT_METHODS', 'BEHAVIOURS', 'RUN_BY',
-           'ATTENTION_MODULES', 'MLP_KINDS', 'WEIGHT_FORMATS', 'Registry', 'definition', 'RopeSpec', 'ModelConfig',
-           'check_model_folder', 'Family', 'rope_inv_freq', 'check_rope_type', 'rope_spec', 'refuse_unsupported',
-           'describe_llama', 'Behaviour', 'runs_behaviours', 'refused_behaviours', 'check_behaviours', 'RMSNorm',
-           'RotaryEmbedding', 'Attention', 'MLP', 'MLPSpec', 'layer_mlp', 'DecoderLayer', 'Llama', 'rope_module',
-           'make_rope', 'load_model', 'read_checkpoint', 'checkpoint_params', 'AttentionVariant', 'attend', 'NoCache',
-           'PackedCausal', 'WeightFormat', 'register_weight_format']
+           'ATTENTION_MODULES', 'MLP_KINDS', 'DECODER_LAYERS', 'WEIGHT_FORMATS', 'Registry', 'definition', 'RopeSpec',
+           'ModelConfig', 'check_model_folder', 'Family', 'rope_inv_freq', 'check_rope_type', 'rope_spec',
+           'refuse_unsupported', 'describe_llama', 'Behaviour', 'runs_behaviours', 'refused_behaviours',
+           'check_behaviours', 'RMSNorm', 'RotaryEmbedding', 'Attention', 'MLP', 'MLPSpec', 'layer_mlp', 'DecoderLayer',
+           'Llama', 'rope_module', 'make_rope', 'load_model', 'read_checkpoint', 'checkpoint_params',
+           'AttentionVariant', 'attend', 'NoCache', 'PackedCausal', 'WeightFormat', 'register_weight_format']
 
 # %% ../nbs/00a_model.ipynb #afc2d4da
 import collections.abc, dataclasses, functools, json, math, re
@@ -128,6 +128,7 @@ class ModelConfig:
     query_scale: float | None = None    # attention's scale, where it is not head_dim ** -0.5 (Gemma)
     layer_mlps: tuple = ()              # per layer: None (the dense `MLP`) or another kind's `MLPSpec`
     attention_spec: object = None       # the numbers an attention module of its own reads (plain: none)
+    decoder_layer: str = "plain"        # the layers' module: a name in `DECODER_LAYERS`
 
     def __post_init__(self):
         # a frozen dataclass fills its defaults that depend on other fields through object.__setattr__
@@ -481,6 +482,11 @@ class DecoderLayer(nn.Module):
         x = x + a
         return x + self.mlp(self.post_attention_layernorm(x))
 
+# the decoder layer's module by name, built as DECODER_LAYERS[name](cfg, layer): "plain" here; a later family's
+# layer that does more around attention and the MLP registers its own
+DECODER_LAYERS = Registry("decoder_layer", nn.Module)
+DECODER_LAYERS.register("plain", DecoderLayer)
+
 # %% ../nbs/00a_model.ipynb #0f5dc67f
 class Llama(nn.Module):
     """The decoder every family runs (`cfg` says what differs from Llama). `forward(tokens, positions, attention)` ->
@@ -489,7 +495,8 @@ class Llama(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        # built in order, layer 0 first
+        self.layers = nn.ModuleList(DECODER_LAYERS[cfg.decoder_layer](cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
