@@ -93,6 +93,8 @@ class LatentAttention(nn.Module):
         "Numbers one token leaves in the cache of its own (the absorbed path's): the latent and the RoPE key part."
         return cfg.attention_spec.kv_lora_rank + cfg.attention_spec.qk_rope_head_dim
 
+    numbers_read = cached_numbers  # each layer reads its own rows
+
     def query(self, x):
         "-> each head's query before RoPE: q_nope [T, H, nope dims], q_pe [T, H, rope dims]."
         spec = self.spec

@@ -403,6 +403,10 @@ class Attention(nn.Module):
     def cached_numbers(cfg, layer):
         "Numbers one token leaves in `layer`'s cache: its K and V, each kv_heads x head_dim (a module of its own says)."
         return 2 * cfg.num_key_value_heads * cfg.head_dim
+    @staticmethod
+    def numbers_read(cfg, layer):
+        "Numbers `layer` reads per cached token: its own K and V (a layer that reads another's entries says)."
+        return 2 * cfg.num_key_value_heads * cfg.head_dim
     def checkpoint_tensors(self, prefix, take, names):
         "q, k, v projections fused into one (weights, and biases where it has them), unless the checkpoint fused them."
         kinds = ("weight", "bias") if self.qkv_proj.bias is not None else ("weight",)

@@ -97,6 +97,11 @@ class SharedKVAttention(nn.Module):
         "K and V of a layer that caches its own; nothing for one that reads another's."
         return 2 * cfg.num_key_value_heads * cfg.head_dim if cfg.attention_spec.sources[layer] == layer else 0
 
+    @staticmethod
+    def numbers_read(cfg, layer):
+        "K and V per cached token, its own or its source layer's: sharing saves memory, not what attention reads."
+        return 2 * cfg.num_key_value_heads * cfg.head_dim
+
     def checkpoint_tensors(self, prefix, take, names):
         "q, k, v fused into one projection (the keys' twice where they are the values too); q alone where it reuses."
         parts = "qkk" if self.values_from_keys else "qkv" if not self.reads else "q"

@@ -187,7 +187,7 @@ def test_the_latent_pool_holds_only_latent_and_rope_key(tiny):
     with LLM(str(folder), dtype="float32", kernels="torch") as llm:
         pool = llm.engine.cache
         latent = pool.nbytes / (pool.num_blocks * pool.block_size)
-        ledger = llm.engine.ledger.kv_token_bytes
+        ledger = llm.engine.ledger.kv_layer_bytes * layers
     assert latent == floor * 4 == ledger == kv_bytes_per_token(cfg, "float32")
     # the format says its bytes for the model's dtype
     assert kv_token_bytes(cfg, "latent", dtype="bfloat16") == floor * 2 == kv_bytes_per_token(cfg, "bfloat16")
@@ -195,7 +195,7 @@ def test_the_latent_pool_holds_only_latent_and_rope_key(tiny):
     with LLM(str(folder), dtype="float32", kernels="torch", kv_dtype="float32") as llm:
         naive = llm.engine.cache.nbytes / (llm.engine.cache.num_blocks * llm.engine.cache.block_size)
         assert type(llm.engine.cache) is PagedKVCache
-        assert llm.engine.ledger.kv_token_bytes == naive  # the ledger counts the pool the engine holds
+        assert llm.engine.ledger.kv_layer_bytes * layers == naive  # the ledger counts the pool the engine holds
     assert naive == kv_token_bytes(cfg, "float32") > 4 * latent
 
 

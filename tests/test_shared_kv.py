@@ -12,7 +12,7 @@ from minfer.model import ModelConfig, NoCache, load_model
 from minfer.families import tiny_random_model
 from minfer.shared_kv import SharedKVAttention, SharedKVPool
 from minfer.paged import PagedKVCache, kv_token_bytes
-from minfer.roofline import kv_bytes_per_token, param_counts
+from minfer.roofline import kv_bytes_per_token, kv_traffic_per_token, param_counts
 import minfer.kvquant  # chapter 09's kv_dtype switch, whose 'auto' picks a model's own format
 from minfer.llm import LLM
 from minfer.tokenizer import Tokenizer
@@ -139,19 +139,23 @@ def test_the_prefix_cache_serves_the_shared_layers(tiny):
 
 def test_the_shared_layers_have_no_blocks(tiny):
     """The pool's bytes per token: K and V of the 4 layers that cache, against chapter 03's pool of all 6 (kv_dtype
-    set to the model's dtype); the ledger and chapter 00b's count say the same; more blocks fit the same budget."""
+    set to the model's dtype); more blocks fit the same budget. The ledger charges the same traffic either way: all 6
+    layers read K/V per token of context, the 4 that cache write; chapter 00b's count of the cache says 4 layers."""
     folder, ref = tiny("shared kv, window 8")
     cfg = ModelConfig.from_folder(folder)
     per_layer = 2 * cfg.num_key_value_heads * cfg.head_dim * 4
     pools = {}
     for kv_dtype in ("auto", "float32"):
         with LLM(str(folder), dtype="float32", kernels="torch", kv_dtype=kv_dtype, kv_cache_bytes=2**22) as llm:
-            pool = llm.engine.cache
+            pool, ledger = llm.engine.cache, llm.engine.ledger
+            llm.generate(LONG, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
             pools[kv_dtype] = (type(pool), pool.nbytes / (pool.num_blocks * pool.block_size), pool.num_blocks,
-                               llm.engine.ledger.kv_token_bytes)
-    assert pools["auto"] == (SharedKVPool, 4 * per_layer, pools["auto"][2], 4 * per_layer)
-    assert pools["float32"] == (PagedKVCache, 6 * per_layer, pools["float32"][2], 6 * per_layer)
+                               kv_traffic_per_token(cfg, layer_bytes=ledger.kv_layer_bytes),
+                               (ledger.kv_read_bytes, ledger.kv_write_bytes))
+    assert pools["auto"][:2] == (SharedKVPool, 4 * per_layer) and pools["float32"][:2] == (PagedKVCache, 6 * per_layer)
     assert pools["auto"][2] >= pools["float32"][2] * 3 // 2
+    assert pools["auto"][3] == pools["float32"][3] == (6 * per_layer, 4 * per_layer)
+    assert pools["auto"][4] == pools["float32"][4] and pools["auto"][4][0] > 0
     assert kv_bytes_per_token(cfg, "float32") == 4 * per_layer == kv_token_bytes(cfg, "shared_kv", dtype="float32")
     assert kv_token_bytes(cfg, "shared_kv", dtype="bfloat16") == 2 * per_layer
 
