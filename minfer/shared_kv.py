@@ -1,4 +1,4 @@
-"""Gemma 4's last layers compute no keys or values: each reads those of the last earlier layer of its kind, so they cache nothing.
+"""Gemma 4's last layers compute no keys or values: each reads an earlier layer's, so it caches nothing.
 
 Docs: https://minfer.github.io/minfer/shared_kv.html.md"""
 
