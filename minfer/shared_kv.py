@@ -228,12 +228,13 @@ class SharedKVFormat(PoolFormat):
     name = "shared_kv"
 
     def made_for(self, cfg):
-        return cfg.attention_module == "shared_kv"
+        "A model with layers that reuse K/V (without any, chapter 03's pool is the same, and every backend reads it)."
+        return cfg.attention_module == "shared_kv" and cfg.attention_spec.cached_layers < cfg.num_hidden_layers
 
     def refuses(self, cfg):
         if self.made_for(cfg):
             return None
-        return (f"kv_dtype='shared_kv' holds layers that share K/V; {cfg.model_type} models have none: "
+        return (f"kv_dtype='shared_kv' holds layers that share K/V; this {cfg.model_type} model has none: "
                 "use kv_dtype='auto'")
 
     def block_bytes(self, cfg, block_size, dtype=torch.bfloat16):

@@ -211,3 +211,15 @@ def test_other_paths_are_refused_in_one_line(tiny, model_dir):
     with pytest.raises(ValueError, match="kv_dtype='shared_kv' holds layers that share K/V") as e:
         EngineConfig(model=model_dir, kv_dtype="shared_kv", kernels="torch", attention="torch").resolve()
     assert "\n" not in str(e.value)
+
+
+def test_a_model_without_reusing_layers_keeps_chapter_03_s_pool(tiny):
+    "No layer reuses K/V: the shared pool would be chapter 03's, so 'auto' keeps that one (which every backend reads)."
+    import json
+    from minfer.paged import KV_FORMATS
+    folder, _ = tiny("shared kv, window 8")
+    d = json.loads((folder / "config.json").read_text())
+    cfg = ModelConfig.from_config({**d, "num_kv_shared_layers": 0})
+    assert cfg.attention_spec.cached_layers == 6 and not KV_FORMATS["shared_kv"].made_for(cfg)
+    assert "this gemma4_text model has none" in KV_FORMATS["shared_kv"].refuses(cfg)
+    assert KV_FORMATS["shared_kv"].made_for(ModelConfig.from_folder(folder))
