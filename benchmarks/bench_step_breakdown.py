@@ -11,8 +11,13 @@ self CPU time sorted into the same kinds of work. Reported for the wide decode s
 matmul peak (chapter 00b's `measure_matmul_flops`) and the step's weight bytes against copy bandwidth.
 
     python benchmarks/bench_step_breakdown.py [--dtypes float32 bfloat16] [--record]
+    python benchmarks/bench_step_breakdown.py --json-from benchmarks/step-breakdown-DATE.md
+
+With --record it writes the record (.md) and, beside it, the same kinds of work as numbers (.json: per dtype the wide
+step's median ms and sequences, and ms per step of each kind for minfer and vLLM) for chapter 05c's picture;
+--json-from writes that .json from a record written before the .json existed.
 """
-import argparse, collections, datetime, re, statistics, sys, tempfile, time
+import argparse, collections, datetime, json, re, statistics, sys, tempfile, time
 from pathlib import Path
 import torch
 from minfer import LLM  # every chapter loaded: its weight formats, kernels and switches
@@ -240,6 +245,21 @@ def minfer_kinds(parts):
     return kinds
 
 
+def kinds_from_record(text):
+    """A record's (.md) kinds-of-work tables -> {dtype: {"seqs", "step_ms", "minfer": {kind: ms}, "vllm": {kind: ms}}}:
+    what --record writes as .json, for records written before it did."""
+    out = {}
+    heading = r"^### (\w+): \d+ wide decode steps \(median (\d+) sequences\), median step ([\d.]+) ms"
+    for head in re.finditer(heading, text, re.M):
+        dtype = head[1]
+        section = text[head.end():].split("\n### ")[0]
+        rows = re.findall(r"^\| ([^|]+) \| ([\d.]+|-) \| ([\d.]+) \| [^|]+ \|$", section, re.M)
+        minfer = {k: float(m) for k, m, _ in rows if m != "-"}
+        out[dtype] = {"seqs": int(head[2]), "step_ms": float(head[3]), "minfer": minfer,
+                      "vllm": {k: float(v) for k, _, v in rows} if rows else None}
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
@@ -249,8 +269,13 @@ def main():
     ap.add_argument("--vllm-delay", type=int, default=6, help="vLLM engine steps before its profiler starts")
     ap.add_argument("--vllm-steps", type=int, default=10, help="vLLM engine steps its profiler records")
     ap.add_argument("--record", action="store_true")
+    ap.add_argument("--json-from", type=Path, help="write the .json of this earlier record (.md) and stop")
     a = ap.parse_args()
-    work = None
+    if a.json_from:
+        a.json_from.with_suffix(".json").write_text(json.dumps(kinds_from_record(a.json_from.read_text()), indent=1))
+        print("wrote", a.json_from.with_suffix(".json"))
+        return
+    work, kinds = None, {}
     bandwidth = measure_bandwidth() / 1e9
     peaks = {d: measure_matmul_flops(dtype=d) for d in a.dtypes}
     out = [f"# Where a batched decode step's time goes: {a.requests} requests, decode-heavy mix", "",
@@ -266,6 +291,9 @@ def main():
         lines, median = table(dtype, *run(dtype, work, a.min_seqs), peaks, bandwidth)
         out += lines + [""]
         print("\n".join(lines), flush=True)
+        ours = minfer_kinds({k: v for k, v in median.items()})
+        seqs, step_ms = re.search(r"median (\d+) sequences\), median step ([\d.]+) ms", lines[0]).groups()
+        kinds[dtype] = {"seqs": int(seqs), "step_ms": float(step_ms), "minfer": ours, "vllm": None}
         if a.no_vllm:
             continue
         try:
@@ -273,7 +301,7 @@ def main():
         except PeerMissing as e:
             out += [f"vLLM: PEER MISSING: {e}", ""]
             continue
-        ours = minfer_kinds({k: v for k, v in median.items()})
+        kinds[dtype]["vllm"] = {kind: vllm.get(kind, 0.0) for kind in [k for k, _ in VLLM_KINDS] + ["other"]}
         out += [f"#### {dtype}: the same kinds of work, minfer's wide steps against vLLM's profiled steps "
                 f"({a.vllm_steps} steps after its first {a.vllm_delay}; its ops' self CPU time)", "",
                 "| kind of work | minfer ms per step | vLLM ms per step | minfer / vLLM |", "|---|---|---|---|"]
@@ -290,7 +318,8 @@ def main():
     if a.record:
         path = Path(__file__).parent / f"step-breakdown-{datetime.datetime.now():%Y-%m-%d-%H%M}.md"
         path.write_text(text + "\n")
-        print("recorded", path)
+        path.with_suffix(".json").write_text(json.dumps(kinds, indent=1))  # the tables as numbers, for chapter 05c
+        print("recorded", path, "and its .json")
 
 
 if __name__ == "__main__":

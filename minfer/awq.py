@@ -6,10 +6,10 @@ Docs: https://minfer.github.io/minfer/awq.html.md"""
 
 # %% auto #0
 __all__ = ['AWQ_BITS', 'MAX_Q', 'AWQ_ORDER', 'AWQ_REVERSE_ORDER', 'PROJECTIONS', 'AWQ_KERNELS', 'TOKENIZER_FILES', 'SUPPORTED',
-           'AWQ_PATH', 'QUANTIZE_METHODS', 'quantize_groups', 'dequantize_groups', 'fake_quantize', 'calibration_ids',
-           'capture_inputs', 'calibration_start', 'search_scale', 'search_clip', 'apply_clip', 'awq_transform',
-           'pack_awq_int4', 'unpack_awq_int4', 'pack_awq', 'dequantize_awq', 'AWQKernel', 'KernelRegistry',
-           'KernelLinear', 'AWQLinear', 'fuse_awq', 'quantization_config', 'checkpoint_projections',
+           'AWQ_PATH', 'VLLM_QUANTIZATIONS', 'QUANTIZE_METHODS', 'quantize_groups', 'dequantize_groups',
+           'fake_quantize', 'calibration_ids', 'capture_inputs', 'calibration_start', 'search_scale', 'search_clip',
+           'apply_clip', 'awq_transform', 'pack_awq_int4', 'unpack_awq_int4', 'pack_awq', 'dequantize_awq', 'AWQKernel',
+           'KernelRegistry', 'KernelLinear', 'AWQLinear', 'fuse_awq', 'quantization_config', 'checkpoint_projections',
            'dense_checkpoint_tensors', 'quantize_model_tensors', 'quantize_folder', 'is_awq_folder', 'check_awq_config',
            'load_projections', 'load_awq_model', 'awq_bytes_per_token', 'QuantizeMethod', 'run_quantize']
 
@@ -25,9 +25,11 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from .model import (DTYPES, QUANT_METHODS, Llama, ModelConfig, PackedCausal,
-                          Registry, WeightFormat,
-                          check_model_folder, load_model, register_weight_format, make_rope, check_behaviours)
+from .model import (DTYPES, QUANT_METHODS, Llama, ModelConfig, Registry, check_model_folder, load_model,
+                          make_rope)
+from .roofline import WeightFormat, register_weight_format
+from .naive import PackedCausal
+from .cpu_step import check_behaviours
 from .gguf import data_dir
 from .roofline import DTYPE_BYTES, PackedLinear, can_pack, param_counts
 from .tokenizer import Tokenizer
@@ -568,12 +570,17 @@ register_weight_format(WeightFormat(
     step_weights=AWQ_KERNELS.step_reads, stored=True, dtype="bfloat16", runs_all=False,
     about="AutoAWQ's GEMM format (4-bit codes, fp16 scales, 4-bit zeros per group), AWQLinear (chapter 08)"))
 
+# vLLM's `quantization=` values -> the weight format each one is here: this chapter's 'awq'; a later chapter's
+# formats register theirs
+VLLM_QUANTIZATIONS = Registry("vLLM quantization", str)
+VLLM_QUANTIZATIONS.register("awq", "awq-int4")
+
 def _vllm_quantization(value):
-    "vLLM's `quantization=`: 'awq' is this chapter's weight format; others are refused in one line."
-    if value != "awq":
-        raise ValueError(f"quantization={value!r} is not supported; minfer reads AWQ checkpoints "
-                         "(quantization='awq', or weights='awq-int4')")
-    return dict(weights="awq-int4")
+    "vLLM's `quantization=` as minfer's `weights=`; a value no chapter registered is refused in one line."
+    if value not in VLLM_QUANTIZATIONS:
+        known = ", ".join(f"quantization={k!r} (weights={v!r})" for k, v in VLLM_QUANTIZATIONS.items())
+        raise ValueError(f"quantization={value!r} is not supported; minfer reads {known}")
+    return dict(weights=VLLM_QUANTIZATIONS[value])
 
 VLLM_ARGUMENTS.register("quantization", _vllm_quantization)
 QUANT_METHODS.register("awq", "weights='awq-int4' (chapter 08)")

@@ -27,6 +27,7 @@ CPU_KERNELS_SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <algorithm>
 #include <vector>
 
 typedef uint16_t bf16;
@@ -113,10 +114,32 @@ void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t inter) {
 }
 
 // Decode attention over a paged KV pool, one new token per sequence. First write each sequence's new k, v at its slot,
-// then, per query head, attend over the sequence's keys where they lie (block_tables), in fp32 whatever the dtype.
+// then attend over the sequence's keys where they lie (block_tables), in fp32 whatever the dtype.
 // q: [batch, n_q, d] with rows q_stride apart; k, v: [batch, n_kv, d], rows k_stride and v_stride apart (each may be
 // a view: of the fused qkv projection's output, or of a buffer RoPE wrote q and k into); pools: [slots, n_kv, d];
 // out: [batch, n_q, d].
+// The work is split into (row, KV head) items: the `group` query heads that share a KV head (grouped-query attention)
+// go together, so each key and value is read from memory once for all of them. Keys come KEY_BLOCK at a time with an
+// online softmax, as flash-decoding does: each head keeps a running max and sum, and when a block raises the max, what
+// was summed so far is scaled by exp(old max - new max). No score list as long as the sequence, no second pass.
+constexpr int64_t KEY_BLOCK = 32, CHUNK = 16;  // CHUNK fp32 values: one AVX-512 register, two AVX2 ones
+
+// a . b over d values, a in fp32: CHUNK partial sums side by side, added pairwise at the end (`omp simd reduction`
+// adds its lanes one after the other: a chain of CHUNK dependent adds for every key)
+template <typename T>
+static inline float dot(const float* a, const T* b, int64_t d) {
+  float lanes[CHUNK] = {};
+  int64_t i = 0;
+  for (; i + CHUNK <= d; i += CHUNK)
+#pragma omp simd
+    for (int64_t l = 0; l < CHUNK; ++l) lanes[l] += a[i + l] * Num<T>::load(b[i + l]);
+  for (int64_t half = CHUNK / 2; half > 0; half /= 2)
+    for (int64_t l = 0; l < half; ++l) lanes[l] += lanes[l + half];
+  float sum = lanes[0];
+  for (; i < d; ++i) sum += a[i] * Num<T>::load(b[i]);
+  return sum;
+}
+
 template <typename T>
 void paged_decode(const T* q, int64_t q_stride, const T* k, int64_t k_stride, const T* v, int64_t v_stride,
                   T* k_pool, T* v_pool, const int64_t* new_slots,
@@ -128,41 +151,80 @@ void paged_decode(const T* q, int64_t q_stride, const T* k, int64_t k_stride, co
     std::memcpy(k_pool + new_slots[b] * kv_row, k + b * k_stride, kv_row * sizeof(T));
     std::memcpy(v_pool + new_slots[b] * kv_row, v + b * v_stride, kv_row * sizeof(T));
   }
-  // every row's key slots first, then one parallel loop over (row, head) pairs: a step of several rows shares the
-  // threads out once per layer instead of once per row, and no thread waits on a short row
-  std::vector<std::vector<int64_t>> slots(batch);
-  for (int64_t b = 0; b < batch; ++b) {
-    const int32_t* table = block_tables + b * max_blocks;
-    slots[b].resize(seq_lens[b]);
-    for (int64_t j = 0; j < seq_lens[b]; ++j)
-      slots[b][j] = ((int64_t)table[j / block_size] * block_size + j % block_size) * kv_row;
-  }
-  // (row, head) pairs are independent: built with OpenMP (chapter 05c) they share out the threads; here, in turn
-#pragma omp parallel for schedule(dynamic)
-  for (int64_t bh = 0; bh < batch * n_q; ++bh) {
-    const int64_t b = bh / n_q, h = bh % n_q, len = seq_lens[b];
-    const int64_t* slot = slots[b].data();
-    std::vector<float> score(len), qf(d), acc(d, 0.0f);
-    const int64_t kv_h = (h / group) * d;  // grouped-query attention: query head h reads KV head h / group
-    for (int64_t i = 0; i < d; ++i) qf[i] = N::load(q[b * q_stride + h * d + i]);
-    float max_score = -INFINITY, sum = 0;
-    for (int64_t j = 0; j < len; ++j) {
-      const T* kj = k_pool + slot[j] + kv_h;
-      float dot = 0;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t i = 0; i < d; ++i) dot += qf[i] * N::load(kj[i]);
-      score[j] = dot * scale;
-      max_score = std::fmax(max_score, score[j]);
-    }
-    float* p = score.data();
+  // items are independent: built with OpenMP (chapter 05c) they share out the threads, each thread with one scratch
+  // buffer for the whole call; here, one after the other
+#pragma omp parallel
+  {
+    std::vector<float> scratch(group * (2 * d + KEY_BLOCK + 2));
+    float* const qs = scratch.data();           // [group, d]: the queries, times `scale`
+    float* const acc = qs + group * d;          // [group, d]: the running sum of weight x value
+    float* const p = acc + group * d;           // [group, KEY_BLOCK]: this block's scores, then its weights
+    float* const run_max = p + group * KEY_BLOCK;
+    float* const run_sum = run_max + group;
+#pragma omp for schedule(dynamic)
+    for (int64_t item = 0; item < batch * n_kv; ++item) {
+      const int64_t b = item / n_kv, g = item % n_kv, len = seq_lens[b];
+      const int32_t* table = block_tables + b * max_blocks;
+      for (int64_t h = 0; h < group; ++h) {
+        for (int64_t i = 0; i < d; ++i) qs[h * d + i] = N::load(q[b * q_stride + (g * group + h) * d + i]) * scale;
+        for (int64_t i = 0; i < d; ++i) acc[h * d + i] = 0.0f;
+        run_max[h] = -INFINITY;  // the first block's rescale is then ~0, and multiplies zeros
+        run_sum[h] = 0.0f;
+      }
+      // where keys lie in the pools (KV head g), found a block ahead and asked for at once: the memory fetches the
+      // next block while this one is computed, instead of stalling at each key
+      int64_t at[2][KEY_BLOCK], block = 0, offset = 0;
+      auto locate = [&](int64_t* key, int64_t n) {
+        for (int64_t j = 0; j < n; ++j) {
+          key[j] = ((int64_t)table[block] * block_size + offset) * kv_row + g * d;
+          offset = offset + 1 < block_size ? offset + 1 : 0;
+          block += offset == 0;
+          for (int64_t i = 0; i < d; i += 64 / (int64_t)sizeof(T)) {  // each 64-byte cache line of k and v
+            __builtin_prefetch(k_pool + key[j] + i);
+            __builtin_prefetch(v_pool + key[j] + i);
+          }
+        }
+      };
+      locate(at[0], std::min(len, KEY_BLOCK));
+      for (int64_t j0 = 0, here = 0; j0 < len; j0 += KEY_BLOCK, here = 1 - here) {
+        const int64_t n = std::min(len - j0, KEY_BLOCK);
+        const int64_t* key = at[here];
+        locate(at[1 - here], std::clamp(len - j0 - KEY_BLOCK, (int64_t)0, KEY_BLOCK));  // the next block's keys
+        for (int64_t j = 0; j < n; ++j)  // scores: each key read once, for every query head of the group
+          for (int64_t h = 0; h < group; ++h) p[h * KEY_BLOCK + j] = dot(qs + h * d, k_pool + key[j], d);
+        for (int64_t h = 0; h < group; ++h) {  // online softmax: scores -> weights against the new running max
+          float* ph = p + h * KEY_BLOCK;
+          float new_max = run_max[h], sum = 0;
+          for (int64_t j = 0; j < n; ++j) new_max = std::fmax(new_max, ph[j]);
 #pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < len; ++j) { p[j] = exp_fast(p[j] - max_score); sum += p[j]; }
-    for (int64_t j = 0; j < len; ++j) {
-      const T* vj = v_pool + slot[j] + kv_h;
+          for (int64_t j = 0; j < n; ++j) {
+            ph[j] = exp_fast(ph[j] - new_max);
+            sum += ph[j];
+          }
+          const float rescale = exp_fast(run_max[h] - new_max);  // what was summed so far, to the new max
+          run_sum[h] = run_sum[h] * rescale + sum;
+          run_max[h] = new_max;
+          for (int64_t i = 0; i < d; ++i) acc[h * d + i] *= rescale;
+        }
+        for (int64_t h = 0; h < group; ++h) {  // values: CHUNK of d at a time, summed over the block in registers
+          float* ah = acc + h * d;
+          const float* ph = p + h * KEY_BLOCK;
+          int64_t i = 0;
+          for (; i + CHUNK <= d; i += CHUNK) {
+            float sum[CHUNK];
+            for (int64_t l = 0; l < CHUNK; ++l) sum[l] = ah[i + l];
+            for (int64_t j = 0; j < n; ++j)
 #pragma omp simd
-      for (int64_t i = 0; i < d; ++i) acc[i] += p[j] * N::load(vj[i]);
+              for (int64_t l = 0; l < CHUNK; ++l) sum[l] += ph[j] * N::load(v_pool[key[j] + i + l]);
+            for (int64_t l = 0; l < CHUNK; ++l) ah[i + l] = sum[l];
+          }
+          for (; i < d; ++i)
+            for (int64_t j = 0; j < n; ++j) ah[i] += ph[j] * N::load(v_pool[key[j] + i]);
+        }
+      }
+      for (int64_t h = 0; h < group; ++h)
+        for (int64_t i = 0; i < d; ++i) out[(b * n_q + g * group + h) * d + i] = N::store(acc[h * d + i] / run_sum[h]);
     }
-    for (int64_t i = 0; i < d; ++i) out[(b * n_q + h) * d + i] = N::store(acc[i] / sum);
   }
 }
 

@@ -20,7 +20,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
-from .model import ModelConfig, DecoderLayer, NoCache, PackedCausal, Registry, make_rope, check_model_folder
+from .model import ModelConfig, DecoderLayer, NoCache, Registry, make_rope, check_model_folder
+from .naive import PackedCausal
 from .gguf import default_model_dir
 from .paged import ATTENTION_BACKENDS, PagedKVCache, BlockTable, OutOfBlocks, build_batch_meta
 from .sequence import SamplingParams

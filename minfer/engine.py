@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Callable
 import torch
 from fastcore.basics import patch
-from .model import (DTYPES, WEIGHT_FORMATS, Registry, load_model, check_model_folder, ModelConfig,
-                          ROPE_SCALINGS, refused_behaviours)
+from .model import DTYPES, Registry, load_model, check_model_folder, ModelConfig, ROPE_SCALINGS
+from .roofline import WEIGHT_FORMATS
+from .cpu_step import refused_behaviours
 from .gguf import default_model_dir
 from .paged import (ATTENTION_BACKENDS, KV_FORMATS, attention_backend, build_batch_meta, formats_read_by,
                           kv_cache_from_budget, kv_token_bytes)
@@ -361,7 +362,7 @@ def _folder_refuses(c):
     stored = _stored_formats(c.model)
     if stored and c.weights not in stored:
         return f"{c.model} holds {stored[0]} weights; use weights={stored[0]!r}, not {c.weights!r}"
-    if WEIGHT_FORMATS[c.weights].stored and not stored:
+    if WEIGHT_FORMATS[c.weights].stored and not stored and not WEIGHT_FORMATS[c.weights].quantizes:
         return (f"weights={c.weights!r} loads a folder saved in that format, and {c.model} holds plain weights; "
                 "use weights='plain' or 'packed', or a folder saved as it")
     return None
@@ -566,7 +567,7 @@ def worker_engine(config):
 
 def build_model(config):
     "The model a resolved `config` asks for: loaded by its weight format (chapter 00a), its kernels switched in."
-    return KERNELS[config.kernels](load_model(config.model, config.dtype, config.device, weights=config.weights))
+    return KERNELS[config.kernels](WEIGHT_FORMATS[config.weights].load(config.model, config.dtype, config.device))
 
 def engine_options(config):
     """`LLMEngine`'s keyword arguments for a resolved `config`: what this chapter's limits and switches ask of the

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 import torch
 import torch.nn.functional as F
-from .model import (MODEL_FAMILIES, ROPE_SCALINGS, HF_ACTIVATIONS, ACTIVATIONS, BEHAVIOURS, Behaviour, Family,
-                          RopeSpec, ModelConfig, RotaryEmbedding, AttentionVariant, attend, rope_inv_freq, rope_spec,
-                          describe_llama, runs_behaviours, Attention, ATTENTION_MODULES, RMSNorm)
+from .model import (MODEL_FAMILIES, ROPE_SCALINGS, HF_ACTIVATIONS, ACTIVATIONS, Family, RopeSpec,
+                          ModelConfig, RotaryEmbedding, AttentionVariant, attend, rope_inv_freq, rope_spec,
+                          describe_llama, Attention, ATTENTION_MODULES, RMSNorm)
+from .cpu_step import BEHAVIOURS, Behaviour, runs_behaviours
 from .gguf import default_model_dir
 from .roofline import param_counts
 
@@ -327,7 +328,7 @@ for name, describe, about in (
         ("smollm3", describe_smollm3, "SmolLM3: no RoPE on every 4th layer")):
     MODEL_FAMILIES.register(name, Family(describe, about=about))
 
-# what the families do beyond Llama, as `ModelConfig.behaviours()` names it (chapter 00a's `BEHAVIOURS`)
+# what the families do beyond Llama, as `model_behaviours(cfg)` names it (chapter 05c's `BEHAVIOURS`)
 BEHAVIOURS.update(
     qk_norm=Behaviour(lambda cfg: cfg.attention_module == "qk_norm", "an RMSNorm over each q and k head before RoPE"),
     norm_offset=Behaviour(lambda cfg: cfg.norm_offset != 0, "norms that scale by offset + w"),

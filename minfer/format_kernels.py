@@ -28,7 +28,9 @@ FORMAT_CPU_SOURCE = AWQ_CPU_SOURCE + r"""
 // ---- chapter 08c: FP8 decoded in registers; MXFP4 and NVFP4 as small integers times 8-bit x ----
 #include <array>
 
-// `format_step_bytes`. FP8: the codes ([out, in] bytes), then one fp32 scale per output row.
+// `format_step_bytes`. FP8: the codes ([out, in] bytes), then fp32 scales [out, ceil(in / B)]: one
+// per output row (B = in), or per row and B inputs (block-scaled FP8, B the `group` the call passes;
+// a row's last block may be shorter).
 // MXFP4 and NVFP4 (`pack_fp4x8`): per block of 16 output rows, the E2M1 codes in chapter 08a's
 // `pack_q4x8` order; then per block and group the 16 rows' scale codes; then one fp32 scale per
 // output row (out rounded up to a multiple of 16).
@@ -105,7 +107,7 @@ template <int FMT> static inline void scales_of_16(const uint8_t* codes, __m256 
 #endif
 
 // One FP8 weight row q against n <= SCALED_ROWS rows of x (fp32, n_in apart) -> out[r], before the
-// row scale.
+// scale (n_in a multiple of 16).
 static void fp8_row_dots(const uint8_t* q, const float* x, int64_t n, int64_t n_in, float* out) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   __m512 acc[SCALED_ROWS];
@@ -129,25 +131,36 @@ static void fp8_row_dots(const uint8_t* q, const float* x, int64_t n, int64_t n_
 #endif
 }
 
-// y = x W^T for x [rows, n_in] (n_in a multiple of 32), W FP8 in `step_bytes`' layout: output rows
-// split over OpenMP's threads, each weight row decoded once per SCALED_ROWS rows of x
+// y = x W^T for x [rows, n_in] (n_in a multiple of 32, `block` of 16), W FP8 in `step_bytes`' layout,
+// one scale per row and `block` inputs (0: per row): output rows split over OpenMP's threads, each
+// weight row decoded once per SCALED_ROWS rows of x. x is held block after block (xf[b][r][i]), so
+// one block's rows are contiguous, as `fp8_row_dots` reads them.
 template <typename T>
-void fp8_matmul(const void* W, const T* x, T* y, int64_t rows, int64_t n_in, int64_t n_out) {
+void fp8_matmul(const void* W, const T* x, T* y, int64_t rows, int64_t n_in, int64_t n_out,
+                int64_t block) {
+  const int64_t B = block ? block : n_in, blocks = (n_in + B - 1) / B;
+  const auto width = [&](int64_t b) { return b * B + B <= n_in ? B : n_in - b * B; };  // the last: short
   const uint8_t* codes = static_cast<const uint8_t*>(W);
-  const uint8_t* row_scales = codes + n_out * n_in;
+  const uint8_t* scales = codes + n_out * n_in;
   std::vector<float> xf(rows * n_in);
-  for (int64_t i = 0; i < rows * n_in; ++i)
-    xf[i] = Num<T>::load(x[i]);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < n_in; ++i)
+      xf[(i / B) * rows * B + r * width(i / B) + i % B] = Num<T>::load(x[r * n_in + i]);
 #pragma omp parallel for schedule(static)
   for (int64_t o = 0; o < n_out; ++o) {
-    float row_scale;
-    std::memcpy(&row_scale, row_scales + 4 * o, 4);
     for (int64_t r0 = 0; r0 < rows; r0 += SCALED_ROWS) {
       const int64_t n = rows - r0 < SCALED_ROWS ? rows - r0 : SCALED_ROWS;
-      float dots[SCALED_ROWS];
-      fp8_row_dots(codes + o * n_in, xf.data() + r0 * n_in, n, n_in, dots);
+      float sums[SCALED_ROWS] = {0};
+      for (int64_t b = 0; b < blocks; ++b) {
+        float dots[SCALED_ROWS], scale;
+        std::memcpy(&scale, scales + 4 * (o * blocks + b), 4);
+        const float* xb = xf.data() + b * rows * B + r0 * width(b);
+        fp8_row_dots(codes + o * n_in + b * B, xb, n, width(b), dots);
+        for (int64_t r = 0; r < n; ++r)
+          sums[r] += dots[r] * scale;
+      }
       for (int64_t r = 0; r < n; ++r)
-        y[(r0 + r) * n_out + o] = Num<T>::store(dots[r] * row_scale);
+        y[(r0 + r) * n_out + o] = Num<T>::store(sums[r]);
     }
   }
 }
@@ -319,8 +332,8 @@ void fp4_matmul(const void* W, const T* x, T* y, int64_t rows, int64_t n_in, int
 // chapter 05c's decode step reading every projection in one of these formats
 template <typename T> struct Fp8Weights {
   static void matvec(const void* W, const T* x, T* y, int64_t rows, int64_t n_in, int64_t n_out,
-                     int64_t) {
-    fp8_matmul<T>(W, x, y, rows, n_in, n_out);
+                     int64_t group) {
+    fp8_matmul<T>(W, x, y, rows, n_in, n_out, group);
   }
 };
 template <int FMT, typename T> struct Fp4Weights {
@@ -334,8 +347,8 @@ template <typename T> using Nvfp4Weights = Fp4Weights<FMT_NVFP4, T>;
 
 #define SCALED_MATMUL(NAME, WEIGHTS, T, S) \
   extern "C" void matmul_##NAME##_##S(const void* W, const T* x, T* y, int64_t rows, \
-                                      int64_t n_in, int64_t n_out) { \
-    WEIGHTS<T>::matvec(W, x, y, rows, n_in, n_out, 0); \
+                                      int64_t n_in, int64_t n_out, int64_t group) { \
+    WEIGHTS<T>::matvec(W, x, y, rows, n_in, n_out, group); \
   }
 #define SCALED_ENTRIES(T, S) SCALED_MATMUL(fp8, Fp8Weights, T, S) \
   SCALED_MATMUL(mxfp4, Mxfp4Weights, T, S) SCALED_MATMUL(nvfp4, Nvfp4Weights, T, S) \
@@ -371,7 +384,7 @@ def pack_fp4x8(codes, group_scales, row_scales):
 @functools.cache
 def format_cpu_kernels():
     "This chapter's kernels, built on first use: `{(name, dtype): function}`, matmul_ and decode_step_<format>."
-    signatures = {f"matmul_{name}": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 for name in FORMAT_NAMES}
+    signatures = {f"matmul_{name}": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 for name in FORMAT_NAMES}
     signatures.update({f"decode_step_{name}": _STEP_ARGS for name in FORMAT_NAMES})
     entries = load_kernels(build_cpu_kernels(FORMAT_CPU_SOURCE, flags=STEP_CXX_FLAGS), signatures)
     if len(openmp_runtimes()) > 1:  # as chapter 05c: two OpenMP thread pools would fight over the cores
@@ -388,10 +401,14 @@ def format_cpu_available():
 
 # %% ../nbs/08c_format_kernels.ipynb #3c488c21
 def _step_bytes(linear):
-    "A `ScaledLinear`'s tensors as one uint8 buffer: FP8's codes, then its row scales' fp32 bytes; else `pack_fp4x8`."
+    """A `ScaledLinear`'s tensors as one uint8 buffer: FP8's codes, then its fp32 scales per row (or per row and
+    block of inputs, the row scale multiplied in); else `pack_fp4x8`."""
     if linear.value_bits == 4:
         return pack_fp4x8(unpack_nibbles(linear.codes), linear.group_scales, linear.row_scales)
-    return torch.cat([linear.codes.reshape(-1), linear.row_scales.view(torch.uint8)])
+    scales = linear.row_scales[:, None]
+    if linear.group_scales is not None:
+        scales = linear.group_scales * scales
+    return torch.cat([linear.codes.reshape(-1), scales.contiguous().view(torch.uint8).reshape(-1)])
 
 def format_step_bytes(linear):
     "The one uint8 buffer the C++ kernels read for a `ScaledLinear`: made on the first call, then kept by it."
@@ -404,7 +421,7 @@ def format_cpu_matmul(linear, x):
     if rows.shape[0]:
         f = _kernel(f"matmul_{linear.name}", rows, y, table=format_cpu_kernels())
         f(format_step_bytes(linear).data_ptr(), rows.data_ptr(), y.data_ptr(), rows.shape[0],
-          linear.in_features, linear.out_features)
+          linear.in_features, linear.out_features, linear.group)
     return y.reshape(*x.shape[:-1], linear.out_features)
 
 def format_cpu_step(linear):
@@ -413,11 +430,18 @@ def format_cpu_step(linear):
     if linear.in_features % 32:
         raise ValueError(f"{linear.name}: the CPU step reads inputs in blocks of 32; "
                          f"{linear.in_features} is not a multiple of 32; use kernels='torch'")
+    if linear.group % 16:
+        raise ValueError(f"{linear.name}: the CPU step reads scales of 16 inputs or a multiple; "
+                         f"{linear.group} is not a multiple of 16; use kernels='torch'")
     return format_step_bytes(linear), linear.group, (f"decode_step_{linear.name}", format_cpu_kernels())
 
+def _cpu_reads(linear):
+    "Inputs in whole blocks of 32 (x's 8-bit blocks), scale groups of a multiple of 16 (FP8's 16-wide loads)."
+    return linear.in_features % 32 == 0 and linear.group % 16 == 0
+
 def _cpu_takes(linear):
-    "Inputs in whole blocks of 32, and kernels that build here."
-    return linear.in_features % 32 == 0 and format_cpu_available()
+    "What `_cpu_reads` says, and kernels that build here."
+    return _cpu_reads(linear) and format_cpu_available()
 
 FORMAT_KERNELS.register("cpu", AWQKernel(format_cpu_matmul, devices=("cpu",), dtypes=(torch.float32, torch.bfloat16),
                                          takes=_cpu_takes, step=format_cpu_step))
@@ -426,7 +450,7 @@ FORMAT_KERNELS.register("cpu", AWQKernel(format_cpu_matmul, devices=("cpu",), dt
 @triton.jit
 def _scaled_gemm_kernel(X, Q, GS, RS, VALUES, SCALES, Y, M, N, K, stride_xm, stride_ym,
                         PER_BYTE: tl.constexpr, CODE_MASK: tl.constexpr, GROUP: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        SCALE_CODES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         PRECISION: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -441,9 +465,11 @@ def _scaled_gemm_kernel(X, Q, GS, RS, VALUES, SCALES, Y, M, N, K, stride_xm, str
         code = (byte.to(tl.int32) >> ((kk % PER_BYTE) * 4)[:, None]) & CODE_MASK
         w = tl.load(VALUES + code)  # [BLOCK_K, BLOCK_N]: each code's value, from its format's table
         if GROUP > 0:
-            scale_code = tl.load(GS + rn[None, :] * (K // GROUP) + (kk // GROUP)[:, None], mask=n_ok[None, :],
-                                 other=0)
-            w = w * tl.load(SCALES + scale_code.to(tl.int32))
+            groups = (K + GROUP - 1) // GROUP  # a row's last group may be short (block-scaled FP8's)
+            scale = tl.load(GS + rn[None, :] * groups + (kk // GROUP)[:, None], mask=n_ok[None, :], other=0)
+            if SCALE_CODES:  # codes of a scale format, looked up; else fp32 scales (block-scaled FP8's)
+                scale = tl.load(SCALES + scale.to(tl.int32))
+            w = w * scale
         acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION)
     acc = acc * tl.load(RS + rn, mask=n_ok, other=0.0)[None, :]
     tl.store(Y + rm[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty),
@@ -470,7 +496,8 @@ def scaled_gemm(x, linear, block_m=16, block_n=32, block_k=32):
     per_byte = 8 // linear.value_bits
     _scaled_gemm_kernel[grid](x2, linear.codes, group_scales, linear.row_scales, values, scales, y,
                               x2.shape[0], N, K, x2.stride(0), y.stride(0), PER_BYTE=per_byte,
-                              CODE_MASK=(1 << linear.value_bits) - 1, GROUP=linear.group, BLOCK_M=block_m,
+                              CODE_MASK=(1 << linear.value_bits) - 1, GROUP=linear.group,
+                              SCALE_CODES=linear.scale_format != "fp32", BLOCK_M=block_m,
                               BLOCK_N=block_n, BLOCK_K=block_k,
                               PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     return y.reshape(*x.shape[:-1], N)

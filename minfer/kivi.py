@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from .paged import KV_FORMATS, KV_READERS, BlockAllocator, PagedAttention, PagedKVCache, PoolFormat
-from .model import attend, runs_behaviours
+from .model import attend
+from .cpu_step import runs_behaviours
 from .flash import split_kv_decode  # before triton: without a GPU it picks Triton's interpreter
 from .kvquant import QuantizedTritonAttention
 import triton

@@ -14,8 +14,9 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from .model import (MODEL_FAMILIES, ATTENTION_MODULES, MLP_KINDS, BEHAVIOURS, Behaviour,
-                          Family, MLP, RMSNorm, RotaryEmbedding, attend, rope_spec)
+from .model import (MODEL_FAMILIES, ATTENTION_MODULES, MLP_KINDS, Family, MLP, RMSNorm, RotaryEmbedding,
+                          attend, rope_spec)
+from .cpu_step import BEHAVIOURS, Behaviour
 from .families import yarn_mscale
 from .moe import Experts, MoE
 from .paged import KV_FORMATS, KV_READERS, BlockAllocator, PagedAttention, PagedKVCache, PoolFormat

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from .model import (MLP_KINDS, MODEL_FAMILIES, ACTIVATIONS, BEHAVIOURS, Behaviour, Family, MLPSpec,
-                          runs_behaviours)
+from .model import MLP_KINDS, MODEL_FAMILIES, ACTIVATIONS, Family, MLPSpec
+from .cpu_step import BEHAVIOURS, Behaviour, runs_behaviours
 from .families import describe_qwen3, describe_mistral, layer_attention
 
 # %% ../nbs/12b_moe.ipynb #918468c6

@@ -393,7 +393,7 @@ class PoolFormat(abc.ABC):
     dtype). Its pool is a `PagedKVCache` whose `format_name` is the format's `name`. Four answers the engine reads:
     `truncatable`, whether every token of a block can be dropped (`BlockTable.truncate`); `movable`, whether
     `read_blocks` / `write_blocks` move every token of a block; `runs_all`, whether attention reads it as it reads plain
-    K/V, so it runs every behaviour of a model (else only those paired with it, chapter 00a's `runs_behaviours`);
+    K/V, so it runs every behaviour of a model (else only those paired with it, chapter 05c's `runs_behaviours`);
     `made_for(cfg)`, whether a model of `cfg` is stored in this format unless the user says otherwise."""
     name: str
     truncatable = True

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from .model import (MODEL_FAMILIES, ATTENTION_MODULES, DECODER_LAYERS, ROPE_SCALINGS, BEHAVIOURS, Behaviour,
-                          DecoderLayer, Family, RMSNorm, RopeSpec, RotaryEmbedding, rope_inv_freq, rope_spec)
+from .model import (MODEL_FAMILIES, ATTENTION_MODULES, DECODER_LAYERS, ROPE_SCALINGS, DecoderLayer, Family,
+                          RMSNorm, RopeSpec, RotaryEmbedding, rope_inv_freq, rope_spec)
+from .cpu_step import BEHAVIOURS, Behaviour
 from .families import layer_kinds, soft_cap, windowed
 from .paged import KV_FORMATS, KV_READERS, BlockAllocator, PagedAttention, PagedKVCache, PoolFormat
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from .model import (ATTENTION_MODULES, MLP_KINDS, MODEL_FAMILIES, BEHAVIOURS, Attention,
-                          Behaviour, Family, rope_spec)
+from .model import ATTENTION_MODULES, MLP_KINDS, MODEL_FAMILIES, Attention, Family, rope_spec
+from .cpu_step import BEHAVIOURS, Behaviour
 from .families import FamilyAttention, layer_kinds, windows, tiny_random_model
 from .moe import Experts, MoE, expected_experts
 

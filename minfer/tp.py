@@ -18,7 +18,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from .model import BEHAVIOURS, ModelConfig, load_model, refused_behaviours, runs_behaviours
+from .model import ModelConfig, load_model
+from .cpu_step import BEHAVIOURS, refused_behaviours, runs_behaviours
 import minfer.families  # chapter 12a registers the behaviours the split runs (`TP_PATH`)
 from .roofline import pack_weights
 from .roofline import DTYPE_BYTES, kv_bytes_per_token, weight_bytes_per_step

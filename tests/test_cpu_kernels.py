@@ -4,7 +4,8 @@ Each kernel against the PyTorch code it replaces (chapter 00a's modules, F.silu)
 rounding, in fp32 within float rounding. The fused model against transformers (contract 1) and against the unfused model
 (bf16: logits a few roundings apart, identical past FUSED_MAX_ROWS, where PyTorch's ops run; the tokens of each against
 fp32's). `CpuAttention` against chapter 03's `PagedAttention` on scattered blocks: the same K/V written, the same output
-to float rounding. `LLM(kernels="cpu")` greedy tokens against chapter 01's naive decode (contract 2).
+to float rounding; `paged_decode` itself against SDPA over gathered keys. `LLM(kernels="cpu")` greedy tokens against
+chapter 01's naive decode (contract 2).
 """
 import collections
 import pytest, torch
@@ -178,6 +179,49 @@ def test_cpu_attention_reads_explicit_key_lists(cfg):
     assert torch.allclose(got, want, atol=2e-6), (got - want).abs().max()
     whole, _, _ = decode_step(cfg, PagedAttention, torch.float32, lens, bs, seed=7)
     assert (got[1] - whole[1]).abs().max() > 1e-3 and torch.equal(got[0], whole[0])  # the lists changed what was read
+
+def paged_decode_call(lens, dtype, n_q, n_kv, d, bs, seed=0):
+    """`paged_decode` called directly on sequences of `lens` keys (the last one new), blocks shuffled in a pool:
+    (its output, fp32 reference). The reference: the pool after the same K/V write, in fp32, each sequence's keys
+    gathered and handed to SDPA (query heads h * group .. read KV head h)."""
+    g = torch.Generator().manual_seed(seed)
+    n_blocks = [-(-n // bs) for n in lens]
+    k_pool, v_pool = (torch.randn(sum(n_blocks) + 2, bs, n_kv, d, generator=g).to(dtype) for _ in "kv")
+    order = torch.randperm(len(k_pool), generator=g).int()
+    tables = torch.zeros(len(lens), max(n_blocks), dtype=torch.int32)
+    for r, (nb, start) in enumerate(zip(n_blocks, torch.tensor([0, *n_blocks]).cumsum(0).tolist())):
+        tables[r, :nb] = order[start:start + nb]
+    pos = torch.tensor(lens) - 1
+    new_slots = tables[torch.arange(len(lens)), pos // bs].long() * bs + pos % bs
+    qkv = (torch.randn(len(lens), n_q + 2 * n_kv, d, generator=g) * 2).to(dtype)  # * 2: peakier softmax
+    q, k, v = qkv[:, :n_q], qkv[:, n_q:n_q + n_kv], qkv[:, n_q + n_kv:]
+    keys, values = (p.float().flatten(0, 1).index_copy(0, new_slots, x.float()) for p, x in ((k_pool, k), (v_pool, v)))
+    out, lens_t = torch.empty(len(lens), n_q, d, dtype=dtype), torch.tensor(lens, dtype=torch.int32)
+    ck._kernel("paged_decode", out, k_pool, v_pool)(
+        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_pool.data_ptr(),
+        v_pool.data_ptr(), new_slots.data_ptr(), tables.data_ptr(), tables.shape[1],
+        lens_t.data_ptr(), bs, out.data_ptr(), len(lens), n_q, n_kv, d, d ** -0.5)
+    want = []
+    for r, n in enumerate(lens):
+        at = tables[r, torch.arange(n) // bs].long() * bs + torch.arange(n) % bs
+        kr, vr = (x[at].transpose(0, 1).repeat_interleave(n_q // n_kv, 0) for x in (keys, values))
+        want.append(F.scaled_dot_product_attention(q[r].float()[:, None], kr, vr)[:, 0])
+    return out, torch.stack(want)
+
+@pytest.mark.parametrize("n_q,n_kv,d", [(9, 3, 64), (8, 2, 72), (4, 4, 16)], ids=["group3", "group4-tail", "mha"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_decode_matches_sdpa(n_q, n_kv, d, dtype):
+    """The kernel against SDPA over gathered keys, in fp32 from the same inputs: lengths around the kernel's key
+    block (32) and the pool's block (5: no divisor of 32), so blocks end mid-key-block and the running max is rescaled
+    many times; head dims with and without a tail past the kernel's 16-wide chunks."""
+    lens = (1, 5, 31, 32, 33, 64, 97, 300, 517)
+    got, want = paged_decode_call(lens, dtype, n_q, n_kv, d, bs=5, seed=d)
+    # fp32: a score of size up to ~20 is off by a few of its ulps (another summation order), a weight by that much
+    # relatively (and exp's 3 ulp): ~1e-5 of the largest value. bf16: also the output's rounding, 2^-8 of |x|
+    tol = 1e-5 * want.abs().max() + (want.abs() * 2**-8 if dtype == torch.bfloat16 else 0)
+    assert ((got.float() - want).abs() <= tol).all(), (got.float() - want).abs().max()
+    if dtype == torch.float32:  # the data is not degenerate: the rows' answers differ by far more than the tolerance
+        assert (want - want.mean(0)).abs().max() > 0.1
 
 def test_cpu_attention_leaves_prefill_to_chapter_03(cfg):
     "A step with a prefill chunk goes through PagedAttention's path: the same output exactly."

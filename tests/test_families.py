@@ -20,7 +20,7 @@ from minfer.engine import EngineConfig
 from minfer.llm import LLM
 from minfer.sequence import SamplingParams
 from minfer.cpu_kernels import cpu_kernels_available
-from minfer.cpu_step import cpu_step_available
+from minfer.cpu_step import cpu_step_available, model_behaviours
 
 # model_type -> transformers config overrides that make its features bite on a 48-token prompt (TINY: 4 layers, 64 wide)
 CASES = {
@@ -124,7 +124,7 @@ def test_features_bite(tiny):
     yarn = cfg("qwen2_yarn").rope
     assert yarn.rope_type == "yarn" and yarn.original_max_position_embeddings < len(IDS) and yarn.factor == 4.0
     assert mixture_layers(cfg("qwen3_moe")) == (0, 2, 3) and mixture_layers(cfg("mixtral")) == (0, 1, 2, 3)
-    assert set(cfg("gemma2").behaviours()) >= {"attn_softcap", "final_softcap", "sliding_window", "sandwich_norms",
+    assert set(model_behaviours(cfg("gemma2"))) >= {"attn_softcap", "final_softcap", "sliding_window", "sandwich_norms",
                                                "embed_scale", "norm_offset", "hidden_act", "query_scale"}
 
 
@@ -265,7 +265,7 @@ def test_the_one_call_step_runs_plain_families_and_refuses_the_rest(tiny, name):
     if not cpu_step_available(): pytest.skip("no C++ compiler with OpenMP")
     folder, ref = tiny(name)
     cfg = ModelConfig.from_folder(folder)
-    from minfer.model import refused_behaviours
+    from minfer.cpu_step import refused_behaviours
     from minfer.cpu_step import STEP_PATH
     if not refused_behaviours(cfg, STEP_PATH):
         with LLM(str(folder), dtype="float32", kernels="step") as llm: assert_greedy(llm, ref)
@@ -311,7 +311,7 @@ def test_quantized_kv_runs_or_is_refused(tiny, name):
     got = [getattr(g, "logprob", g) for g in got]
     err = max(abs(g - want[i, int(ids[i + 1])].item()) for i, g in enumerate(got))
     assert err < 0.1, f"int8 KV prompt log-probs {err:.3f} from fp32's"
-    windowed = set(ModelConfig.from_folder(folder).behaviours()) & {"sliding_window", "attn_softcap"}
+    windowed = set(model_behaviours(ModelConfig.from_folder(folder))) & {"sliding_window", "attn_softcap"}
     if windowed:
         with pytest.raises(ValueError, match="kv_dtype='int4' does not run"):
             EngineConfig(model=str(folder), dtype="float32", kv_dtype="int4").resolve()
@@ -398,7 +398,8 @@ def test_tensor_parallel_refuses_a_mixture_of_experts(tiny):
 def test_packed_sequences_attend_as_each_alone(kw):
     """Chapter 00a's PackedCausal (calibration's and training's attention over many texts in one pass) equals NoCache on
     each sequence alone, also under a layer's window or soft-cap (a family's)."""
-    from minfer.model import NoCache, PackedCausal
+    from minfer.model import NoCache
+    from minfer.naive import PackedCausal
     B, L, hq, hkv, d = 3, 7, 4, 2, 8
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B * L, h, d, generator=g) for h in (hq, hkv, hkv))

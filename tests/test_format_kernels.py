@@ -19,7 +19,7 @@ from minfer.cpu_kernels import build_cpu_kernels, load_kernels
 from minfer.cpu_step import STEP_CXX_FLAGS
 from minfer.awq import AWQKernel
 from minfer.engine import EngineConfig, resolve_config
-from minfer.formats import (FORMAT_KERNELS, FORMAT_MODULES, Nvfp4Linear,
+from minfer.formats import (FORMAT_KERNELS, FORMAT_MODULES, Fp8BlockLinear, Nvfp4Linear,
                             fuse_scaled, quantize_format_folder)
 from minfer.format_kernels import (FORMAT_CPU_SOURCE, format_cpu_available, format_cpu_matmul, format_step_bytes,
                                    pack_fp4x8, scaled_gemm)
@@ -54,26 +54,51 @@ X86 = platform.machine() in ("x86_64", "AMD64")
 
 
 @pytest.mark.skipif(not X86, reason="the AVX-512 / AVX2 paths are x86's")
-@pytest.mark.parametrize("name", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("name", ["mxfp4", "nvfp4", "fp8-block"])
 def test_every_instruction_set_path_matches(name):
     """The same source built three ways (-march=native: VNNI where the CPU has it; without AVX-512:
     AVX2's shuffle and maddubs; without AVX2 either: the plain loop), each against both references
-    (the paths this CPU can run)."""
+    (the paths this CPU can run). FP8 in blocks of 128 x 128: its weights decoded exactly, x in fp32."""
     if not format_cpu_available():
         pytest.skip("no C++ compiler with OpenMP here")
     weight = torch.randn(200, 576, generator=torch.Generator().manual_seed(3)) * 0.05
-    module = FORMAT_MODULES[name].from_weight(weight)
+    if name == "fp8-block":
+        module = Fp8BlockLinear.from_weight(weight, block=128)  # 576 inputs: the last block 64
+    else:
+        module = FORMAT_MODULES[name].from_weight(weight)
     w = format_step_bytes(module)
-    signature = {f"matmul_{name}": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3}
+    kernel = f"matmul_{module.name}"
+    signature = {kernel: [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4}
     for extra in ((), ("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2")):
         flags = (*STEP_CXX_FLAGS, *extra)
         f = load_kernels(build_cpu_kernels(FORMAT_CPU_SOURCE, flags=flags), signature)
         for rows in (1, 6, 11):
             x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
             y = torch.empty(rows, 200)
-            matmul = f[f"matmul_{name}", torch.float32]
-            matmul(w.data_ptr(), x.data_ptr(), y.data_ptr(), rows, 576, 200)
-            check(y, module, x)
+            matmul = f[kernel, torch.float32]
+            matmul(w.data_ptr(), x.data_ptr(), y.data_ptr(), rows, 576, 200, module.group)
+            if name == "fp8-block":
+                assert torch.allclose(y, module.reference(x), atol=1e-5, rtol=1e-5), (extra, rows)
+            else:
+                check(y, module, x)
+
+
+@pytest.mark.parametrize("block, n_in", [(32, 256), (128, 256), (128, 576)])
+@pytest.mark.parametrize("rows", [1, 3, 9, 17])
+def test_block_fp8_cpu_kernel_matches_the_reference(block, n_in, rows):
+    """FP8 with one scale per block x block weights (DeepSeek-V3's 128), fused from parts of 44 rows (their last row
+    blocks cut short; with 576 inputs the last block of each row too): decoded exactly, x in fp32; in bf16 x and y
+    rounded, fp32 inside."""
+    if not format_cpu_available():
+        pytest.skip("no C++ compiler with OpenMP here")
+    torch.manual_seed(rows)
+    module = fuse_scaled([Fp8BlockLinear.from_weight(torch.randn(44, n_in) * 0.05, block) for _ in range(2)])
+    assert module.group == block and module.group_scales.shape == (88, -(-n_in // block))
+    assert FORMAT_KERNELS.pick(module, torch.zeros(1, n_in)) is FORMAT_KERNELS["cpu"]
+    x = torch.randn(rows, n_in)
+    assert torch.allclose(format_cpu_matmul(module, x), module.reference(x), atol=1e-5, rtol=1e-5)
+    got_bf16 = format_cpu_matmul(module, x.bfloat16()).float()
+    assert torch.allclose(got_bf16, module.reference(x.bfloat16().float()), atol=2e-2, rtol=1e-2)
 
 
 def test_pack_fp4x8_layout_by_hand():
@@ -107,16 +132,22 @@ def test_inputs_not_a_multiple_of_32_take_the_reference():
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("name", ["fp8", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("name", ["fp8", "mxfp4", "nvfp4", "fp8-block"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_kernel_matches_the_reference(name, dtype):
-    "Under TRITON_INTERPRET=1 on a CPU (fp32 and fp16 only: the interpreter computes bf16 wrongly)."
+    """Under TRITON_INTERPRET=1 on a CPU (fp32 and fp16 only: the interpreter computes bf16 wrongly); FP8 in blocks
+    of 48 x 48 reads its fp32 scales directly, the others' scale codes through their format's table."""
     torch.manual_seed(0)
-    module = FORMAT_MODULES[name].from_weight(torch.randn(40, 64) * 0.05)
+    if name == "fp8-block":
+        module = Fp8BlockLinear.from_weight(torch.randn(40, 64) * 0.05, block=48)  # the last block 16 inputs
+    else:
+        module = FORMAT_MODULES[name].from_weight(torch.randn(40, 64) * 0.05)
     x = torch.randn(5, 64)
     ref = module.reference(x)
     tol = 1e-5 if dtype == torch.float32 else 3e-3
-    assert torch.allclose(scaled_gemm(x.to(dtype), module).float(), ref, atol=tol, rtol=tol)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # a GPU's Triton, else the interpreter
+    got = scaled_gemm(x.to(device, dtype), module.to(device)).float().cpu()
+    assert torch.allclose(got, ref, atol=tol, rtol=tol)
 
 
 def test_each_kernel_runs_the_inputs_it_takes():

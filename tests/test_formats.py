@@ -13,9 +13,9 @@ from minfer.model import NoCache, load_model
 from minfer.cli import main as cli_main
 from minfer.llm import LLM
 from minfer.sampling import SamplingParams
-from minfer.formats import (FORMAT_MODULES, Fp8Linear, Mxfp4Linear, Nvfp4Linear, e2m1_decode, e2m1_encode,
-                            e4m3_decode, e8m0_decode, load_format_model, pack_nibbles, quantize_format_folder,
-                            unpack_nibbles)
+from minfer.formats import (FORMAT_MODULES, Fp8BlockLinear, Fp8Linear, Mxfp4Linear, Nvfp4Linear, e2m1_decode,
+                            e2m1_encode, e4m3_decode, e8m0_decode, load_format_model, pack_nibbles,
+                            quantize_format_folder, unpack_nibbles)
 from test_awq import tiny_folder, tiny_config, tiny_model  # noqa: F401 (a fixture and its helpers)
 
 # the OCP Microscaling Formats spec v1.0, section 5.3.3: the FP4 (E2M1) values of codes 0000 .. 1111
@@ -84,10 +84,40 @@ def test_fp8_scales_map_the_largest_weight_to_448():
     assert tensor["weight_scale"].shape == (1,) and torch.equal(tensor["weight_scale"], torch.tensor([2.0]) / 448)
 
 
+def test_fp8_blocks_by_hand():
+    "Blocks of 2 x 2: each block's largest |w| maps to 448; a row block cut short (3 rows) keeps its own scale."
+    w = torch.tensor([[1.0, 2.0, 0.5, 0.25], [-4.0, 1.0, 0.5, 0.5], [8.0, 0.0, 0.0, -1.0]])
+    t = Fp8BlockLinear.checkpoint_tensors(w, block=2)
+    assert torch.equal(t["weight_scale_inv"], torch.tensor([[4.0, 0.5], [8.0, 1.0]]) / 448)
+    assert t["weight"].float()[1].tolist() == [-448.0, 112.0, 448.0, 448.0]
+    module = Fp8BlockLinear.from_weight(w, block=2)
+    assert module.group == 2 and module.group_scales.shape == (3, 2)  # a scale per row and 2 inputs
+    assert torch.allclose(module.dequantize(), w, rtol=1e-6, atol=0)  # each weight on E4M3's grid of its block
+    cut = Fp8BlockLinear.checkpoint_tensors(w[:, :3], block=2)  # 3 inputs: the last column block cut short too
+    assert cut["weight_scale_inv"].shape == (2, 2)
+    assert torch.equal(cut["weight_scale_inv"][0], torch.tensor([4.0, 0.5]) / 448)  # column 2 alone: max 0.5
+    assert torch.allclose(Fp8BlockLinear.from_weight(w[:, :3], block=2).dequantize(), w[:, :3], rtol=1e-6, atol=0)
+
+
+def test_bits_per_weight_are_said_exactly():
+    "Values, group scales and the fp32 row scales, per weight of a [256, 512] projection."
+    w = torch.randn(256, 512)
+    assert Fp8Linear.from_weight(w).weight_bits() == 8 + 32 / 512
+    assert Fp8BlockLinear.from_weight(w).weight_bits() == 8 + 32 / 128 + 32 / 512  # fp32 scales per row and 128
+    assert Mxfp4Linear.from_weight(w).weight_bits() == 4 + 8 / 32 + 32 / 512
+    assert Nvfp4Linear.from_weight(w).weight_bits() == 4 + 8 / 16 + 32 / 512
+    stored = {k: v.numel() * v.element_size() * 8 for k, v in Fp8BlockLinear.checkpoint_tensors(w).items()}
+    assert stored == {"weight": 8 * 256 * 512, "weight_scale_inv": 32 * 2 * 4}  # 8 + 32/128² bits in the file
+
+
 # independent dequantisations of each checkpoint layout, written from the formats' definitions (and, for MXFP4,
 # transformers' own gpt-oss converter), not from minfer.formats
 def dequantize_fp8(t, name):
-    return t[f"{name}.weight"].float() * t[f"{name}.weight_scale"].float().reshape(-1, 1)
+    weight = t[f"{name}.weight"].float()
+    if f"{name}.weight_scale_inv" in t:  # one scale per 128 x 128 block, the last row block cut short
+        scale = t[f"{name}.weight_scale_inv"].float().repeat_interleave(128, 0).repeat_interleave(128, 1)
+        return weight * scale[:weight.shape[0], :weight.shape[1]]
+    return weight * t[f"{name}.weight_scale"].float().reshape(-1, 1)
 
 
 def dequantize_mxfp4(t, name):
@@ -97,15 +127,41 @@ def dequantize_mxfp4(t, name):
 
 
 def dequantize_nvfp4(t, name):
-    packed = t[f"{name}.weight_packed"]
+    modelopt = f"{name}.weight_scale_2" in t  # modelopt's names; it stores the tensor scale, not its inverse
+    packed = t[f"{name}.weight" if modelopt else f"{name}.weight_packed"]
     codes = torch.stack([packed & 15, packed >> 4], -1).reshape(packed.shape[0], -1).long()
     values = torch.tensor(OCP_E2M1)[codes]
-    scale = t[f"{name}.weight_scale"].float() / t[f"{name}.weight_global_scale"].float()
+    if modelopt:
+        scale = t[f"{name}.weight_scale"].float() * t[f"{name}.weight_scale_2"].float()
+    else:
+        scale = t[f"{name}.weight_scale"].float() / t[f"{name}.weight_global_scale"].float()
     return values * scale.repeat_interleave(16, 1)
 
 
 DEQUANTIZE = {"fp8": dequantize_fp8, "mxfp4": dequantize_mxfp4, "nvfp4": dequantize_nvfp4}
-FORMATS = [("fp8", "tensor"), ("fp8", "channel"), ("mxfp4", None), ("nvfp4", None)]
+FORMATS = [("fp8", "tensor"), ("fp8", "channel"), ("fp8", "block"), ("mxfp4", None), ("nvfp4", None),
+           ("nvfp4", "modelopt")]
+MODELOPT_CONFIG = dict(quant_method="modelopt", quant_algo="NVFP4", group_size=16, kv_cache_quant_algo=None,
+                       exclude_modules=["lm_head"])
+
+
+def to_modelopt(folder):
+    """Rewrite a compressed-tensors NVFP4 folder in NVIDIA modelopt's names: `weight`, `weight_scale`,
+    `weight_scale_2` (the inverse of the global scale) and an `input_scale` per projection."""
+    tensors = read_tensors(folder)
+    for key in [k for k in tensors if k.endswith(".weight_packed")]:
+        p = key.removesuffix(".weight_packed")
+        tensors[p + ".weight"] = tensors.pop(key)
+        tensors[p + ".weight_scale_2"] = 1 / tensors.pop(p + ".weight_global_scale")
+        tensors[p + ".input_scale"] = torch.tensor(0.01)
+    save_file(tensors, folder / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = MODELOPT_CONFIG
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def module_class(name, strategy):
+    return Fp8BlockLinear if strategy == "block" else FORMAT_MODULES[name]
 
 
 def read_tensors(folder):
@@ -118,9 +174,12 @@ def written(request, tiny_folder, tmp_path_factory):
     "(format, the tiny model quantized in its real layout, the same model dense: each tensor dequantised here)"
     name, strategy = request.param
     folder = quantize_format_folder(tiny_folder, tmp_path_factory.mktemp(name), name, strategy or "channel")
+    if strategy == "modelopt":
+        to_modelopt(folder)
     tensors = read_tensors(folder)
     projections = sorted({k.rsplit(".", 1)[0] for k in tensors if "_proj." in k})
     dense = {k: v for k, v in tensors.items() if "_proj." not in k}
+    assert len(dense) + len(projections) < len(tensors)  # every projection's tensors dequantised below
     dense.update({f"{p}.weight": DEQUANTIZE[name](tensors, p).contiguous() for p in projections})
     dense_folder = tmp_path_factory.mktemp(f"{name}-dense")
     save_file(dense, dense_folder / "model.safetensors")
@@ -128,11 +187,11 @@ def written(request, tiny_folder, tmp_path_factory):
     config.pop("quantization_config")
     (dense_folder / "config.json").write_text(json.dumps(config))
     (dense_folder / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes())
-    return name, folder, dense_folder
+    return name, folder, dense_folder, strategy
 
 
 def test_the_written_folder_is_the_real_layout(written):
-    name, folder, _ = written
+    name, folder, _, strategy = written
     config = json.loads((folder / "config.json").read_text())["quantization_config"]
     tensors = read_tensors(folder)
     p = "model.layers.0.mlp.down_proj"
@@ -140,6 +199,15 @@ def test_the_written_folder_is_the_real_layout(written):
         assert config["quant_method"] == "mxfp4"
         assert tensors[p + ".weight_blocks"].shape == (128, 256 // 32, 16)
         assert tensors[p + ".weight_scales"].dtype == torch.uint8
+    elif strategy == "block":  # DeepSeek-V3's and Qwen3-FP8's config and names
+        assert config == dict(quant_method="fp8", activation_scheme="dynamic", fmt="e4m3", weight_block_size=[128, 128])
+        assert tensors[p + ".weight"].dtype == torch.float8_e4m3fn
+        assert tensors[p + ".weight_scale_inv"].shape == (1, 2)  # [ceil(128 / 128), 256 / 128]
+        assert tensors["model.layers.0.self_attn.k_proj.weight_scale_inv"].shape == (1, 1)  # 64 rows: one block
+    elif strategy == "modelopt":
+        assert config["quant_method"] == "modelopt" and config["quant_algo"] == "NVFP4"
+        assert tensors[p + ".weight"].shape == (128, 128) and tensors[p + ".weight"].dtype == torch.uint8
+        assert tensors[p + ".weight_scale_2"].numel() == 1
     elif name == "nvfp4":
         assert config["format"] == "nvfp4-pack-quantized"
         assert tensors[p + ".weight_packed"].shape == (128, 128)
@@ -151,12 +219,12 @@ def test_the_written_folder_is_the_real_layout(written):
 
 
 def test_loading_the_layout_equals_dequantise_then_dense(written):
-    name, folder, dense_folder = written
+    name, folder, dense_folder, strategy = written
     tokens = torch.randint(0, 49152, (12,))
     positions = torch.arange(12)
     quantized = load_format_model(folder, name)
     for module in quantized.layers[0].self_attn.qkv_proj, quantized.layers[1].mlp.down_proj:
-        assert type(module) is FORMAT_MODULES[name]
+        assert type(module) is module_class(name, strategy)
     for m in quantized.modules():  # the definition: the 4-bit kernels' 8-bit x would blur it
         if getattr(m, "value_bits", 0) == 4:
             m.forward = m.reference
@@ -167,26 +235,27 @@ def test_loading_the_layout_equals_dequantise_then_dense(written):
 
 def test_round_trip_module_and_folder(written, tiny_folder):
     "quantize -> save -> load gives the codes `from_weight` makes from the same dense weight."
-    name, folder, _ = written
-    strategy = json.loads((folder / "config.json").read_text())["quantization_config"]
-    strategy = (strategy.get("config_groups") or {}).get("group_0", {}).get("weights", {}).get("strategy")
-    options = {"strategy": strategy} if name == "fp8" else {}
+    name, folder, _, strategy = written
+    options = {"strategy": strategy} if strategy in ("tensor", "channel") else {}
     dense = load_model(tiny_folder).layers[1].mlp.down_proj.weight
     loaded = load_format_model(folder, name).layers[1].mlp.down_proj
-    made = FORMAT_MODULES[name].from_weight(dense, **options)
+    made = module_class(name, strategy).from_weight(dense, **options)
     assert torch.equal(loaded.codes, made.codes) and torch.equal(loaded.row_scales, made.row_scales)
     assert torch.equal(loaded.dequantize(), made.dequantize())
 
 
-def test_quantize_command_and_llm(tiny_folder, tmp_path, capsys):
-    "minfer quantize --method nvfp4 writes a folder that LLM picks the format of by itself and runs."
-    dst = tmp_path / "nvfp4"
-    assert cli_main(["quantize", str(tiny_folder), str(dst), "--method", "nvfp4"]) in (0, None)
+@pytest.mark.parametrize("method", [["nvfp4"], ["fp8", "--scales", "block"]], ids=["nvfp4", "fp8-block"])
+def test_quantize_command_and_llm(tiny_folder, tmp_path, capsys, method):
+    """minfer quantize --method ... writes a folder that LLM picks the format of by itself and runs (the one-call
+    decode step, whose FP8 kernel reads block scales too)."""
+    dst = tmp_path / method[0]
+    assert cli_main(["quantize", str(tiny_folder), str(dst), "--method", *method]) in (0, None)
     assert "wrote" in capsys.readouterr().out
     llm = LLM(str(dst), dtype="float32")
-    assert llm.config.weights == "nvfp4"
+    assert llm.config.weights == method[0]
     out = llm.generate(["hello"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-    reference = load_format_model(dst, "nvfp4")
+    assert llm.config.kernels == "step"
+    reference = load_format_model(dst, method[0])
     ids = list(out[0].prompt_token_ids)
     for token in out[0].token_ids:  # greedy: each token the reference's argmax after the ones before it
         logits = reference(torch.tensor(ids), torch.arange(len(ids)), NoCache())[-1]
@@ -196,7 +265,7 @@ def test_quantize_command_and_llm(tiny_folder, tmp_path, capsys):
 
 
 def test_unsupported_variants_are_refused_in_one_line(written, tmp_path):
-    name, folder, _ = written
+    name, folder, _, strategy = written
     if name == "mxfp4":
         pytest.skip("one mxfp4 layout")
     config = json.loads((folder / "config.json").read_text())
@@ -204,6 +273,17 @@ def test_unsupported_variants_are_refused_in_one_line(written, tmp_path):
     bad.mkdir()
     for file_name in ("model.safetensors", "tokenizer.json"):
         (bad / file_name).write_bytes((folder / file_name).read_bytes())
+    qc = config["quantization_config"]
+    if strategy in ("block", "modelopt"):
+        variants = ([dict(weight_block_size=[128, 64]), dict(activation_scheme="static")] if strategy == "block"
+                    else [dict(quant_algo="FP8"), dict(kv_cache_quant_algo="FP8"), dict(group_size=32)])
+        for variant in variants:
+            config["quantization_config"] = {**qc, **variant}
+            (bad / "config.json").write_text(json.dumps(config))
+            with pytest.raises(ValueError, match="is not supported; supported: ") as e:
+                load_format_model(bad, name)
+            assert "\n" not in str(e.value)
+        return
     group = config["quantization_config"]["config_groups"]["group_0"]
     group["weights"]["strategy"] = "block"
     (bad / "config.json").write_text(json.dumps(config))
@@ -217,7 +297,7 @@ def test_unsupported_variants_are_refused_in_one_line(written, tmp_path):
 
 
 def test_a_missing_tensor_is_named(written, tmp_path):
-    name, folder, _ = written
+    name, folder, _, _ = written
     tensors = read_tensors(folder)
     gone = next(k for k in sorted(tensors) if k.startswith("model.layers.1.mlp.up_proj."))
     del tensors[gone]
@@ -239,6 +319,61 @@ def test_tensors_that_do_not_fit_are_refused():
 
 def test_fp16_on_a_cpu_is_refused_by_rule(written):
     from minfer.engine import EngineConfig
-    name, folder, _ = written
+    name, folder, _, _ = written
     with pytest.raises(ValueError, match="multiplies float32 or bfloat16 activations"):
         EngineConfig(model=str(folder), dtype="float16", device="cpu").resolve()
+
+
+@pytest.mark.parametrize("quantization, weights", [("fp8", "fp8"), ("mxfp4", "mxfp4"), ("modelopt_fp4", "nvfp4")])
+def test_vllm_quantization_quantizes_a_plain_folder_as_it_loads(tiny_folder, tmp_path, quantization, weights):
+    """vLLM's `LLM(dense, quantization="fp8")` quantizes as it loads (FP8 with one scale per tensor, as vLLM's): the
+    same codes `minfer quantize` writes to a folder and a load reads back."""
+    llm = LLM(str(tiny_folder), quantization=quantization, dtype="float32")
+    assert llm.config.weights == weights
+    strategy = "tensor" if weights == "fp8" else "channel"
+    saved = load_format_model(quantize_format_folder(tiny_folder, tmp_path / weights, weights, strategy), weights)
+    for got, want in zip(llm.model.modules(), saved.modules()):
+        if hasattr(want, "codes"):
+            assert type(got) is type(want) is FORMAT_MODULES[weights]
+            assert torch.equal(got.codes, want.codes) and torch.equal(got.row_scales, want.row_scales)
+    qkv = llm.model.layers[0].self_attn.qkv_proj
+    if weights == "fp8":  # q, k and v each one scale: 128, 64 and 64 rows
+        assert [len(set(qkv.row_scales[a:b].tolist())) for a, b in ((0, 128), (128, 192), (192, 256))] == [1, 1, 1]
+    out = llm.generate(["hello"], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert len(out[0].token_ids) == 3
+
+
+def test_vllm_quantization_names_the_formats_and_reads_a_stored_folder(written):
+    name, folder, _, strategy = written
+    if name != "fp8" or strategy != "block":
+        pytest.skip("one stored folder is enough")
+    llm = LLM(str(folder), quantization="fp8", dtype="float32")
+    assert type(llm.model.layers[0].mlp.down_proj) is Fp8BlockLinear
+    with pytest.raises(ValueError, match="holds fp8 weights; use weights='fp8'"):
+        LLM(str(folder), quantization="mxfp4", dtype="float32")
+    with pytest.raises(ValueError, match="quantization='modelopt_fp4' \\(weights='nvfp4'\\)") as e:
+        LLM(str(folder), quantization="gptq")
+    assert "\n" not in str(e.value)
+
+
+def test_nvfp4_with_4_bit_activations_loads_its_weights(written, tmp_path):
+    """compressed-tensors' W4A4 NVFP4 (activations `dynamic: "local"`, an `input_global_scale` per projection) loads
+    the same weights as the folder without them; the activation scale is read and left unused."""
+    name, folder, _, strategy = written
+    if name != "nvfp4" or strategy == "modelopt":
+        pytest.skip("compressed-tensors' NVFP4 only")
+    tensors = read_tensors(folder)
+    for key in [k for k in tensors if k.endswith(".weight_packed")]:
+        tensors[key.removesuffix(".weight_packed") + ".input_global_scale"] = torch.tensor([100.0])
+    w4a4 = tmp_path / "w4a4"
+    w4a4.mkdir()
+    save_file(tensors, w4a4 / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["input_activations"] = dict(
+        num_bits=4, type="float", strategy="tensor_group", group_size=16, dynamic="local", symmetric=True)
+    (w4a4 / "config.json").write_text(json.dumps(config))
+    (w4a4 / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes())
+    got, want = load_format_model(w4a4, name), load_format_model(folder, name)
+    for a, b in zip(got.modules(), want.modules()):
+        if hasattr(b, "codes"):
+            assert torch.equal(a.dequantize(), b.dequantize())

@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest, torch
 
 from minfer.model import ModelConfig, NoCache, load_model
+from minfer.cpu_step import model_behaviours
 from minfer.families import tiny_random_model
 from minfer.mla import LatentCache, LatentPool, GroupLimitedExperts
 from minfer.paged import PagedKVCache, kv_token_bytes
@@ -84,7 +85,7 @@ def test_the_configs_make_each_feature_bite(tiny):
     assert cfg.rope.rope_type == "yarn" and cfg.rope.original_max_position_embeddings < len(IDS)
     assert cfg.layer_mlps[0] is None
     assert all(isinstance(s, GroupLimitedExperts) for s in cfg.layer_mlps[1:])
-    assert "latent_attention" in cfg.behaviours()
+    assert "latent_attention" in model_behaviours(cfg)
     dense = ModelConfig.from_folder(tiny("all dense, values wider than keys")[0])
     assert dense.layer_mlps == (None,) * dense.num_hidden_layers and dense.head_dim == 28
 

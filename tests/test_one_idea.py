@@ -20,6 +20,8 @@ VOCABULARY = {
     "00b_roofline": ["pack_weights", "PackedLinear", "can_pack"],
     "00c_tokenizer": ["jinja", "sandbox", "apply_chat_template", "compiled_chat_template"],
     "05a_flash": ["triton", "flash"],
+    # 05c's one-call step is the first path that runs only some models: what a model does is a behaviour from here
+    "05c_cpu_step": ["behaviour", "cpu_step", "step_path"],
     "07c_loop": ["engine_loop", "EngineLoop", "FINAL_EVENTS", "call_soon_threadsafe"],
     "07f_chat": ["chat_page", "chat page"],
     "08_awq": ["awq", "int4", "pack_awq_int4", "group_size"],
@@ -46,6 +48,7 @@ VOCABULARY = {
     "12d_mla": ["latent", "deepseek", "kv_lora", "lora_rank", "absorb", "nope_head", "rope_head_dim",
                 "e_score_correction", "group_limited"],
     "12e_shared_kv": ["shared_kv", "kv_shared", "gemma4", "layer_scalar", "kv_sources", "proportional"],
+    "12f_kv_cache": ["sequence_bytes", "linear_state", "layer_token_bytes"],
     "13_tp": ["tensor_parallel", "all_reduce", "vocab_parallel"],
     "14_structured": ["structured_output", "constraint", "grammar", "jump_forward", "json_schema", "llguidance"],
 }

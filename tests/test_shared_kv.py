@@ -10,6 +10,7 @@ import pytest, torch
 
 from minfer.model import ModelConfig, NoCache, load_model
 from minfer.families import tiny_random_model
+from minfer.cpu_step import model_behaviours
 from minfer.shared_kv import SharedKVAttention, SharedKVPool
 from minfer.paged import PagedKVCache, kv_token_bytes
 from minfer.roofline import kv_bytes_per_token, kv_traffic_per_token, param_counts
@@ -89,7 +90,7 @@ def test_the_config_makes_every_feature_bite(tiny):
     cfg = ModelConfig.from_folder(folder)
     assert ref.config.kv_sharing_modes[-2:] == ["reuse", "reuse"]
     assert cfg.attention_spec.sources == (0, 1, 2, 3, 2, 3) and cfg.attention_spec.cached_layers == 4
-    assert {"shared_kv", "layer_scalar", "sliding_window", "final_softcap", "local_rope"} <= set(cfg.behaviours())
+    assert {"shared_kv", "layer_scalar", "sliding_window", "final_softcap", "local_rope"} <= set(model_behaviours(cfg))
     assert len(Tokenizer(folder).encode(LONG)) > 48 > BASE["sliding_window"]
     scalars = [float(b) for n, b in ref.named_buffers() if n.endswith("layer_scalar")]
     assert len(set(scalars)) == 6 and 1.0 not in scalars

@@ -9,7 +9,8 @@ then broken on purpose, and the comparison must fail."""
 import copy, json
 import pytest, torch
 
-from minfer.model import ModelConfig, NoCache, load_model, refused_behaviours
+from minfer.model import ModelConfig, NoCache, load_model
+from minfer.cpu_step import model_behaviours, refused_behaviours
 from minfer.families import layer_windows
 from minfer.moe import mixture_layers
 from minfer.sinks import tiny_gpt_oss, sink_layers, SinkAttention, ClampedExperts
@@ -69,7 +70,7 @@ def test_the_config_makes_every_feature_bite(tiny):
     assert mixture_layers(cfg) == (0, 1, 2, 3)
     sinks = torch.cat([layer.self_attn.sinks for layer in ref.model.layers])
     assert sinks.std() > 1.0, "sinks too small to matter"
-    assert {"sinks", "clamped_experts", "experts", "sliding_window", "qkv_bias", "o_bias"} <= set(cfg.behaviours())
+    assert {"sinks", "clamped_experts", "experts", "sliding_window", "qkv_bias", "o_bias"} <= set(model_behaviours(cfg))
 
 
 def test_prompt_logprobs_equal_transformers(tiny):
