@@ -25,7 +25,7 @@ from .paged import (ATTENTION_BACKENDS, KV_FORMATS, attention_backend, build_bat
 from .sequence import Sequence, SamplingParams
 from .sampling import sample_next, add_prompt_logprobs
 from .sequential import SequentialEngine
-from .roofline import Ledger, weight_bytes_per_step
+from .roofline import Ledger, kv_traffic_per_token, weight_bytes_per_step
 from .scheduler import Scheduler, Lookahead
 from .cpu_kernels import can_fuse, fuse_cpu_ops, cxx_compiler
 from .cpu_step import can_step, fuse_decode_step, STEP_PATH
@@ -48,6 +48,10 @@ class ModelRunner:
         self.model, self.cache, self.attn = model, cache, attention
         self.lookahead = Lookahead()  # wants no tokens ahead; `LLMEngine.lookahead` sets the scheduler's and this one
         self.ledger = Ledger(model.cfg, str(model.dtype).removeprefix("torch."), projection_bits=projection_bits)
+        # what one token's K/V takes in one layer of this pool, its format's scales included (chapter 09)
+        dtype = self.ledger.dtype
+        per_token = kv_token_bytes(model.cfg, cache.format_name or dtype, cache.block_size, dtype)
+        self.ledger.kv_layer_bytes = per_token / cache.k.shape[0]  # every pool holds `k` [layers, blocks, ...]
 
     def run(self, batch, copies):
         tokens, positions, meta, rows = self.prepare(batch)
@@ -144,10 +148,9 @@ class ModelRunner:
         self.ledger.record([n for _, n in batch], [s.num_computed for s, _ in batch], logits_rows=n_logits)
         tokens = sum(n for _, n in batch)
         w = weight_bytes_per_step(self.model.cfg, self.ledger.dtype, self.ledger.projection_bits, tokens) / len(batch)
-        kvb = kv_token_bytes(self.model.cfg, self.cache.format_name or self.ledger.dtype,  # ch. 09: scales too
-                             self.cache.block_size)
+        kv_read = kv_traffic_per_token(self.model.cfg, layer_bytes=self.ledger.kv_layer_bytes)[0]
         for s, n in batch:
-            s.bytes_moved += w + (s.num_computed + n) * kvb
+            s.bytes_moved += w + (s.num_computed + n) * kv_read
 
 # %% ../nbs/06b_engine.ipynb #e1bb6271
 class LLMEngine:

@@ -332,7 +332,12 @@ def _kv_dtype_runs_not(c):
         return None
     return _not_run(f"kv_dtype={c.kv_dtype!r}", c)
 
+def _format_refuses(c):
+    "Why the folder's model cannot be stored in `c.kv_dtype`'s format (its `refuses`, one line), or None."
+    return KV_FORMATS[c.kv_dtype].refuses(ModelConfig.from_folder(c.model))
+
 KV_DTYPE_RULES = (
+    Rule(("kv_dtype",), lambda c: c.kv_dtype in KV_FORMATS and _format_refuses(c) is not None, _format_refuses),
     Rule(("kv_dtype",), lambda c: _kv_dtype_runs_not(c) is not None,
          lambda c: f"kv_dtype={c.kv_dtype!r} does not run {_kv_dtype_runs_not(c)}; "
                    "use kv_dtype='int8', 'fp8' or the model's dtype"),

@@ -79,6 +79,23 @@ class LatentAttention(nn.Module):
         variant = cfg.layer_attention[layer]
         self.attn_kwargs = {} if variant is None else {"variant": variant}
 
+    @staticmethod
+    def parameter_count(cfg, layer):
+        "Weights of the projections: the query's (through its bottleneck, if any), the latent's, its up-projection, o."
+        spec, H, hidden = cfg.attention_spec, cfg.num_attention_heads, cfg.hidden_size
+        q = hidden * H * spec.qk_head_dim if spec.q_lora_rank is None else \
+            hidden * spec.q_lora_rank + spec.q_lora_rank * H * spec.qk_head_dim
+        kv = hidden * (spec.kv_lora_rank + spec.qk_rope_head_dim) + spec.kv_lora_rank * H * (
+            spec.qk_nope_head_dim + spec.v_head_dim)
+        return q + kv + H * spec.v_head_dim * hidden
+
+    @staticmethod
+    def cached_numbers(cfg, layer):
+        "Numbers one token leaves in the cache of its own (the absorbed path's): the latent and the RoPE key part."
+        return cfg.attention_spec.kv_lora_rank + cfg.attention_spec.qk_rope_head_dim
+
+    numbers_read = cached_numbers  # each layer reads its own rows
+
     def query(self, x):
         "-> each head's query before RoPE: q_nope [T, H, nope dims], q_pe [T, H, rope dims]."
         spec = self.spec
@@ -322,10 +339,19 @@ class LatentFormat(PoolFormat):
     def block_bytes(self, cfg, block_size, dtype=torch.bfloat16):
         return LatentPool.block_bytes(cfg, block_size, dtype)
 
+    def token_bytes(self, cfg, dtype, block_size=16):
+        "One token's row in the model's `dtype`, every layer."
+        return LatentPool.block_bytes(cfg, 1, getattr(torch, dtype))
+
+    def refuses(self, cfg):
+        if self.made_for(cfg):
+            return None
+        return (f"kv_dtype='latent' stores latent attention's rows; {cfg.model_type} models have none: "
+                "use kv_dtype='auto'")
+
     def from_budget(self, cfg, budget_bytes, block_size, dtype, device, max_seqs):
-        if not self.made_for(cfg):
-            raise ValueError(f"kv_dtype='latent' stores latent attention's rows; {cfg.model_type} models "
-                             "have none: use kv_dtype='auto'")
+        if self.refuses(cfg) is not None:
+            raise ValueError(self.refuses(cfg))
         return LatentPool.from_budget(cfg, budget_bytes, block_size, dtype, device)
 
 class LatentPagedAttention(PagedAttention):

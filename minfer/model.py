@@ -6,8 +6,8 @@ Docs: https://minfer.github.io/minfer/model.html.md"""
 
 # %% auto #0
 __all__ = ['DTYPES', 'MODEL_FAMILIES', 'ROPE_SCALINGS', 'HF_ACTIVATIONS', 'ACTIVATIONS', 'QUANT_METHODS', 'ATTENTION_MODULES',
-           'MLP_KINDS', 'Registry', 'definition', 'RopeSpec', 'ModelConfig', 'check_model_folder', 'Family',
-           'rope_inv_freq', 'check_rope_type', 'rope_spec', 'refuse_unsupported', 'describe_llama', 'RMSNorm',
+           'MLP_KINDS', 'DECODER_LAYERS', 'Registry', 'definition', 'RopeSpec', 'ModelConfig', 'check_model_folder',
+           'Family', 'rope_inv_freq', 'check_rope_type', 'rope_spec', 'refuse_unsupported', 'describe_llama', 'RMSNorm',
            'RotaryEmbedding', 'Attention', 'MLP', 'MLPSpec', 'layer_mlp', 'DecoderLayer', 'Llama', 'rope_module',
            'make_rope', 'load_model', 'read_checkpoint', 'checkpoint_params', 'AttentionVariant', 'attend', 'NoCache']
 
@@ -126,6 +126,7 @@ class ModelConfig:
     query_scale: float | None = None    # attention's scale, where it is not head_dim ** -0.5 (Gemma)
     layer_mlps: tuple = ()              # per layer: None (the dense `MLP`) or another kind's `MLPSpec`
     attention_spec: object = None       # the numbers an attention module of its own reads (plain: none)
+    decoder_layer: str = "plain"        # the layers' module: a name in `DECODER_LAYERS`
 
     def __post_init__(self):
         # a frozen dataclass fills its defaults that depend on other fields through object.__setattr__
@@ -349,6 +350,19 @@ class Attention(nn.Module):
         variant = cfg.layer_attention[layer]
         # a plain layer calls attention(layer, q, k, v): the simplest attentions take no variant
         self.attn_kwargs = {} if variant is None else {"variant": variant}
+    @staticmethod
+    def parameter_count(cfg, layer):
+        "Weights of `layer`'s projections (chapter 00b's byte counts; a module of its own counts its own)."
+        h, d, n_q, n_kv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        return h * (n_q + 2 * n_kv) * d + n_q * d * h
+    @staticmethod
+    def cached_numbers(cfg, layer):
+        "Numbers one token leaves in `layer`'s cache: its K and V, each kv_heads x head_dim (a module of its own says)."
+        return 2 * cfg.num_key_value_heads * cfg.head_dim
+    @staticmethod
+    def numbers_read(cfg, layer):
+        "Numbers `layer` reads per cached token: its own K and V (a layer that reads another's entries says)."
+        return 2 * cfg.num_key_value_heads * cfg.head_dim
     def checkpoint_tensors(self, prefix, take, names):
         "q, k, v projections fused into one (weights, and biases where it has them), unless the checkpoint fused them."
         kinds = ("weight", "bias") if self.qkv_proj.bias is not None else ("weight",)
@@ -428,6 +442,11 @@ class DecoderLayer(nn.Module):
         x = x + a
         return x + self.mlp(self.post_attention_layernorm(x))
 
+# the decoder layer's module by name, built as DECODER_LAYERS[name](cfg, layer): "plain" here; a later family's
+# layer that does more around attention and the MLP registers its own
+DECODER_LAYERS = Registry("decoder_layer", nn.Module)
+DECODER_LAYERS.register("plain", DecoderLayer)
+
 # %% ../nbs/00a_model.ipynb #0f5dc67f
 class Llama(nn.Module):
     """The decoder every family runs (`cfg` says what differs from Llama). `forward(tokens, positions, attention)` ->
@@ -436,7 +455,8 @@ class Llama(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        # built in order, layer 0 first
+        self.layers = nn.ModuleList(DECODER_LAYERS[cfg.decoder_layer](cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:

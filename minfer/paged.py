@@ -404,9 +404,19 @@ class PoolFormat(abc.ABC):
         "Whether this format is a model's own (one made for a kind of attention that stores something else): none here."
         return False
 
+    def refuses(self, cfg):
+        "Why a model of `cfg` cannot be stored in this format, in one line naming what to use instead; or None."
+        return None
+
     @abc.abstractmethod
     def block_bytes(self, cfg, block_size):
         "One block's bytes in this format: K and V, every layer, scales included."
+
+    def token_bytes(self, cfg, dtype, block_size=16):
+        """Bytes one token takes in this format, every layer, its share of its block's scales included. `dtype`: the
+        model's, which a format that stores numbers in it reads (one with number formats of its own does not)."""
+        per_block = self.block_bytes(cfg, block_size)
+        return per_block // block_size if per_block % block_size == 0 else per_block / block_size
 
     @abc.abstractmethod
     def from_budget(self, cfg, budget_bytes, block_size, dtype, device, max_seqs):
@@ -442,12 +452,12 @@ def kv_cache_from_budget(cfg, budget_bytes, block_size=16, dtype=torch.float32, 
                          f"{', '.join(map(repr, KV_FORMATS))}")
     return PagedKVCache.from_budget(cfg, budget_bytes, block_size, dtype, device)
 
-def kv_token_bytes(cfg, kv_format="float32", block_size=16):
+def kv_token_bytes(cfg, kv_format="float32", block_size=16, dtype="float32"):
     """Bytes one token's K and V take in the pool, all layers, scales included (`kv_format`: a float dtype or a
-    `KV_FORMATS` name; a format whose scales are shared over a block charges each token its share, by `block_size`)."""
+    `KV_FORMATS` name, which says its own bytes for the model's `dtype`; a format whose scales are shared over a block
+    charges each token its share, by `block_size`)."""
     if kv_format in KV_FORMATS:
-        per_block = KV_FORMATS[kv_format].block_bytes(cfg, block_size)
-        return per_block // block_size if per_block % block_size == 0 else per_block / block_size
+        return KV_FORMATS[kv_format].token_bytes(cfg, dtype, block_size)
     return PagedKVCache.block_bytes(cfg, 1, getattr(torch, kv_format))
 
 # %% ../nbs/03_paged.ipynb #b253905e

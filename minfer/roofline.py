@@ -6,11 +6,11 @@ Docs: https://minfer.github.io/minfer/roofline.html.md"""
 
 # %% auto #0
 __all__ = ['DTYPE_BYTES', 'WEIGHT_FORMATS', 'DTYPE_PEAKS', 'DEVICES', 'MODELS', 'BATCHES', 'CONTEXTS', 'param_counts',
-           'weight_bytes_per_step', 'kv_bytes_per_token', 'decode_bytes_per_token', 'flops_per_token', 'PackedLinear',
-           'measure_bandwidth', 'measure_matmul_flops', 'measure_matvec_bandwidth', 'can_pack', 'pack_weights',
-           'WeightFormat', 'register_weight_format', 'plot_roofline', 'Device', 'measured_device', 'DecodeBound',
-           'decode_roofline', 'plot_decode_roofline', 'roofline_explorer', 'Ledger', 'scoreboard_path', 'ScorePoint',
-           'Scoreboard']
+           'weight_bytes_per_step', 'kv_bytes_per_token', 'kv_traffic_per_token', 'decode_bytes_per_token',
+           'flops_per_token', 'PackedLinear', 'measure_bandwidth', 'measure_matmul_flops', 'measure_matvec_bandwidth',
+           'can_pack', 'pack_weights', 'WeightFormat', 'register_weight_format', 'plot_roofline', 'Device',
+           'measured_device', 'DecodeBound', 'decode_roofline', 'plot_decode_roofline', 'roofline_explorer', 'Ledger',
+           'scoreboard_path', 'ScorePoint', 'Scoreboard']
 
 # %% ../nbs/00b_roofline.ipynb #da42921a
 import time
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 # %% ../nbs/00b_roofline.ipynb #4120571e
-from .model import Registry
+from .model import ATTENTION_MODULES, Registry
 
 # bytes per weight of each storage dtype; a later chapter's number formats register theirs, scales included
 DTYPE_BYTES = Registry("dtype")
@@ -30,15 +30,16 @@ def param_counts(cfg, tokens=None):
     """Parameters by part: embedding, attention, MLP, norms, LM head (0 when tied to the embedding). A layer whose
     MLP is of another kind (an `MLPSpec`, chapter 12b's mixture of experts) counts what its spec says: every weight
     it holds, or with `tokens`, what one step over that many tokens reads of it."""
-    h, d, L = cfg.hidden_size, cfg.head_dim, cfg.num_hidden_layers
-    attn = h * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d + cfg.num_attention_heads * d * h
+    h, L = cfg.hidden_size, cfg.num_hidden_layers
+    module = ATTENTION_MODULES[cfg.attention_module]  # each attention module counts its own weights
+    attn = sum(module.parameter_count(cfg, layer) for layer in range(L))
     dense = 3 * h * cfg.intermediate_size
     def mlp_of(spec):
         if spec is None:
             return dense
         return spec.parameters(cfg) if tokens is None else spec.parameters_read(cfg, tokens)
     mlp = sum(mlp_of(spec) for spec in cfg.layer_mlps)
-    return dict(embedding=cfg.vocab_size * h, attention=L * attn, mlp=mlp,
+    return dict(embedding=cfg.vocab_size * h, attention=attn, mlp=mlp,
                 norms=(2 * L + 1) * h, lm_head=0 if cfg.tie_word_embeddings else cfg.vocab_size * h)
 
 def weight_bytes_per_step(cfg, dtype="float32", projection_bits=None, tokens=None):
@@ -52,8 +53,20 @@ def weight_bytes_per_step(cfg, dtype="float32", projection_bits=None, tokens=Non
     return (p["attention"] + p["mlp"]) * projection_bytes + (p["norms"] + lm_head) * DTYPE_BYTES[dtype]
 
 def kv_bytes_per_token(cfg, dtype="float32"):
-    "KV-cache bytes one token occupies across all layers: 2 (K and V) x layers x KV heads x head_dim x bytes."
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * DTYPE_BYTES[dtype]
+    """KV-cache bytes one token occupies across all layers: 2 (K and V) x layers x KV heads x head_dim x bytes, or
+    what the model's attention module says its layers cache (`cached_numbers`)."""
+    module = ATTENTION_MODULES[cfg.attention_module]
+    return sum(module.cached_numbers(cfg, layer) for layer in range(cfg.num_hidden_layers)) * DTYPE_BYTES[dtype]
+
+def kv_traffic_per_token(cfg, dtype="float32", layer_bytes=None):
+    """-> (KV bytes a step reads per token of context, KV bytes it writes per new token), all layers: every layer
+    reads (its own entries, or another layer's: `numbers_read`), the layers that cache write (`cached_numbers`).
+    `layer_bytes`: one token's bytes in one layer where it is stored (a pool's); None: the model's own in `dtype`."""
+    module, layers = ATTENTION_MODULES[cfg.attention_module], range(cfg.num_hidden_layers)
+    if layer_bytes is None:
+        read = sum(module.numbers_read(cfg, layer) for layer in layers) * DTYPE_BYTES[dtype]
+        return read, kv_bytes_per_token(cfg, dtype)
+    return layer_bytes * len(layers), layer_bytes * sum(module.cached_numbers(cfg, layer) > 0 for layer in layers)
 
 def decode_bytes_per_token(cfg, dtype="float32", context=0, batch=1):
     "Bytes moved per generated token at batch `batch`: weights shared by the batch, plus each token's own KV reads."
@@ -382,16 +395,18 @@ class Ledger:
     tokens_in: int = 0
     tokens_out: int = 0
     projection_bits: float = None  # the weight format's bits per projection weight, if not the dtype's (chapter 08)
+    kv_layer_bytes: float = None  # one token's K/V bytes in one layer where it is stored; None: the model's numbers
 
     def record(self, new_tokens, cached_context, logits_rows=None, cached=True):
         "One forward step. new_tokens[i], cached_context[i]: tokens computed / tokens read from cache for sequence i."
-        cfg, kvb = self.cfg, kv_bytes_per_token(self.cfg, self.dtype)
+        cfg = self.cfg
+        kv_read, kv_written = kv_traffic_per_token(cfg, self.dtype, self.kv_layer_bytes)
         n, rows = sum(new_tokens), len(new_tokens) if logits_rows is None else logits_rows
         self.steps += 1
         self.tokens_in += n
         self.weight_bytes += weight_bytes_per_step(cfg, self.dtype, self.projection_bits, tokens=n)
-        self.kv_read_bytes += sum(cached_context) * kvb
-        self.kv_write_bytes += n * kvb if cached else 0
+        self.kv_read_bytes += sum(cached_context) * kv_read
+        self.kv_write_bytes += n * kv_written if cached else 0
         # residual stream in and out of each layer, roughly 8 hidden-sized reads/writes per layer per token
         self.activation_bytes += n * cfg.num_hidden_layers * 8 * cfg.hidden_size * DTYPE_BYTES[self.dtype]
         p = param_counts(cfg, tokens=1)  # the weights each token multiplies by: its FLOPs

@@ -122,7 +122,9 @@ def test_absorbed_path_equals_naive(tiny, case):
     assert err < 1e-4, f"{case}: absorbed vs naive max |d log p| = {err:.2e}"
     spec = model.cfg.attention_spec
     floor = (spec.kv_lora_rank + spec.qk_rope_head_dim) * 4 * model.cfg.num_hidden_layers
-    assert cache.nbytes == len(seq) * floor < len(seq) * kv_bytes_per_token(model.cfg)
+    # chapter 00b's count of the model's own cache is the floor; chapter 03's pool of K and V per head holds more
+    assert cache.nbytes == len(seq) * floor == len(seq) * kv_bytes_per_token(model.cfg)
+    assert floor < kv_token_bytes(model.cfg, "float32")
 
 
 def reference_greedy(ref, prompt_ids, n):
@@ -188,12 +190,25 @@ def test_the_latent_pool_holds_only_latent_and_rope_key(tiny):
     with LLM(str(folder), dtype="float32", kernels="torch") as llm:
         pool = llm.engine.cache
         latent = pool.nbytes / (pool.num_blocks * pool.block_size)
-    assert latent == floor * 4
-    assert kv_token_bytes(cfg, "latent") == floor * 2  # the format counts bf16 unless told
+        ledger = llm.engine.ledger.kv_layer_bytes * layers
+    assert latent == floor * 4 == ledger == kv_bytes_per_token(cfg, "float32")
+    # the format says its bytes for the model's dtype
+    assert kv_token_bytes(cfg, "latent", dtype="bfloat16") == floor * 2 == kv_bytes_per_token(cfg, "bfloat16")
+    assert kv_token_bytes(cfg, "latent", dtype="float32") == floor * 4
     with LLM(str(folder), dtype="float32", kernels="torch", kv_dtype="float32") as llm:
         naive = llm.engine.cache.nbytes / (llm.engine.cache.num_blocks * llm.engine.cache.block_size)
         assert type(llm.engine.cache) is PagedKVCache
-    assert naive == kv_bytes_per_token(cfg) > 4 * latent
+        assert llm.engine.ledger.kv_layer_bytes * layers == naive  # the ledger counts the pool the engine holds
+    assert naive == kv_token_bytes(cfg, "float32") > 4 * latent
+
+
+def test_the_roofline_counts_latent_attention_s_own_weights(tiny):
+    "Chapter 00b's parameter count, through the attention module's `parameter_count`: the tiny model's own tensors."
+    from minfer.roofline import param_counts
+    folder, ref = tiny("yarn, query bottleneck, experts")
+    cfg = ModelConfig.from_folder(folder)
+    held = sum(p.numel() for n, p in ref.named_parameters() if ".self_attn." in n and "norm" not in n)
+    assert param_counts(cfg)["attention"] == held
 
 
 def test_a_broken_latent_pool_fails_the_comparison(tiny, monkeypatch):
@@ -213,6 +228,14 @@ def test_a_broken_latent_pool_fails_the_comparison(tiny, monkeypatch):
 def test_the_latent_pool_refuses_other_models_in_one_line(model_dir):
     with pytest.raises(ValueError, match="kv_dtype='latent' stores latent attention's rows") as e:
         LLM(model_dir, kv_dtype="latent", kernels="torch", attention="torch")
+    assert "\n" not in str(e.value)
+
+
+def test_the_latent_pool_is_refused_when_the_config_resolves(model_dir):
+    "By the format's `refuses`, checked by chapter 09's rules: no model is loaded, no engine built."
+    from minfer.engine import EngineConfig
+    with pytest.raises(ValueError, match="kv_dtype='latent' stores latent attention's rows") as e:
+        EngineConfig(model=model_dir, kv_dtype="latent", kernels="torch", attention="torch").resolve()
     assert "\n" not in str(e.value)
 
 

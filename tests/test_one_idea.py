@@ -47,6 +47,7 @@ VOCABULARY = {
     "12c_sinks": ["sink", "gpt_oss", "clamped_moe", "ClampedExperts", "ClampedMoE", "swiglu"],
     "12d_mla": ["latent", "deepseek", "kv_lora", "lora_rank", "absorb", "nope_head", "rope_head_dim",
                 "e_score_correction", "group_limited"],
+    "12e_shared_kv": ["shared_kv", "kv_shared", "gemma4", "layer_scalar", "kv_sources", "proportional"],
     "12f_kv_cache": ["sequence_bytes", "linear_state", "layer_token_bytes"],
     "13_tp": ["tensor_parallel", "all_reduce", "vocab_parallel"],
     "14_structured": ["structured_output", "constraint", "grammar", "jump_forward", "json_schema", "llguidance"],
