@@ -1,6 +1,6 @@
 """Weight formats side by side (chapters 08 and 08b): bytes per token, batch-1 and 64-request decode tok/s, and quality
 (perplexity and KL divergence to the fp32 model on the held-out text) for fp32, bf16, fp8 per tensor, fp8 per
-channel, AWQ int4 g64, MXFP4 and NVFP4, on the default model, in one table.
+channel, fp8 per 128x128 block, AWQ int4 g64, MXFP4 and NVFP4, on the default model, in one table.
 
 Each quantized folder is written once under data/models/ (`minfer quantize`'s code; the AWQ folder chapter 08's slow
 cells write is used where it exists, else RTN g64, and the row says which). Quality runs every format in fp32
@@ -32,6 +32,7 @@ FORMATS = {  # label -> (weights=, folder maker or None for the source folder, d
     "bf16": ("plain", None, "bfloat16"),
     "fp8 per tensor": ("fp8", ("fp8", "tensor"), "float32"),
     "fp8 per channel": ("fp8", ("fp8", "channel"), "float32"),
+    "fp8 per 128x128 block": ("fp8", ("fp8", "block"), "float32"),
     "AWQ int4 g64": ("awq-int4", ("awq", None), "float32"),
     "MXFP4": ("mxfp4", ("mxfp4", None), "float32"),
     "NVFP4": ("nvfp4", ("nvfp4", None), "float32"),
