@@ -346,8 +346,8 @@ class LatentFormat(PoolFormat):
     def refuses(self, cfg):
         if self.made_for(cfg):
             return None
-        return (f"kv_dtype='latent' stores latent attention's rows; {cfg.model_type} models have none: "
-                "use kv_dtype='auto'")
+        return (f"kv_dtype='latent' stores latent attention's rows, and the folder's {cfg.model_type} model has "
+                "none; use kv_dtype='float32' or 'bfloat16' (K and V per head)")
 
     def from_budget(self, cfg, budget_bytes, block_size, dtype, device, max_seqs):
         if self.refuses(cfg) is not None:

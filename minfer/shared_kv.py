@@ -235,8 +235,8 @@ class SharedKVFormat(PoolFormat):
     def refuses(self, cfg):
         if self.made_for(cfg):
             return None
-        return (f"kv_dtype='shared_kv' holds layers that share K/V; this {cfg.model_type} model has none: "
-                "use kv_dtype='auto'")
+        return (f"kv_dtype='shared_kv' holds layers that share K/V, and the folder's {cfg.model_type} model has "
+                "none; use kv_dtype='float32' or 'bfloat16' (a pool for every layer)")
 
     def block_bytes(self, cfg, block_size, dtype=torch.bfloat16):
         return SharedKVPool.block_bytes(cfg, block_size, dtype)

@@ -14,7 +14,8 @@ PAIRED = ("kv", "dtype", "device", "weights", "kernels", "attention", "kv_dtype"
 
 # why a value set alone may still be refused here: this machine, or what the model folder holds
 MACHINE_OR_FOLDER = [r"no CUDA device", r"C\+\+ compiler", r"Triton's interpreter", r"holds plain weights",
-                     r"needs a draft model folder", r"set pd_split=True", r"cannot be split in whole heads"]
+                     r"needs a draft model folder", r"set pd_split=True", r"cannot be split in whole heads",
+                     r"the folder's \w+ model has none"]
 
 
 def values(f):

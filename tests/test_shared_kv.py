@@ -222,5 +222,5 @@ def test_a_model_without_reusing_layers_keeps_chapter_03_s_pool(tiny):
     d = json.loads((folder / "config.json").read_text())
     cfg = ModelConfig.from_config({**d, "num_kv_shared_layers": 0})
     assert cfg.attention_spec.cached_layers == 6 and not KV_FORMATS["shared_kv"].made_for(cfg)
-    assert "this gemma4_text model has none" in KV_FORMATS["shared_kv"].refuses(cfg)
+    assert "the folder's gemma4_text model has none" in KV_FORMATS["shared_kv"].refuses(cfg)
     assert KV_FORMATS["shared_kv"].made_for(ModelConfig.from_folder(folder))
