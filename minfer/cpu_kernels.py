@@ -132,11 +132,14 @@ static inline float dot(const float* a, const T* b, int64_t d) {
   int64_t i = 0;
   for (; i + CHUNK <= d; i += CHUNK)
 #pragma omp simd
-    for (int64_t l = 0; l < CHUNK; ++l) lanes[l] += a[i + l] * Num<T>::load(b[i + l]);
+    for (int64_t l = 0; l < CHUNK; ++l)
+      lanes[l] += a[i + l] * Num<T>::load(b[i + l]);
   for (int64_t half = CHUNK / 2; half > 0; half /= 2)
-    for (int64_t l = 0; l < half; ++l) lanes[l] += lanes[l + half];
+    for (int64_t l = 0; l < half; ++l)
+      lanes[l] += lanes[l + half];
   float sum = lanes[0];
-  for (; i < d; ++i) sum += a[i] * Num<T>::load(b[i]);
+  for (; i < d; ++i)
+    sum += a[i] * Num<T>::load(b[i]);
   return sum;
 }
 
@@ -166,8 +169,10 @@ void paged_decode(const T* q, int64_t q_stride, const T* k, int64_t k_stride, co
       const int64_t b = item / n_kv, g = item % n_kv, len = seq_lens[b];
       const int32_t* table = block_tables + b * max_blocks;
       for (int64_t h = 0; h < group; ++h) {
-        for (int64_t i = 0; i < d; ++i) qs[h * d + i] = N::load(q[b * q_stride + (g * group + h) * d + i]) * scale;
-        for (int64_t i = 0; i < d; ++i) acc[h * d + i] = 0.0f;
+        for (int64_t i = 0; i < d; ++i)
+          qs[h * d + i] = N::load(q[b * q_stride + (g * group + h) * d + i]) * scale;
+        for (int64_t i = 0; i < d; ++i)
+          acc[h * d + i] = 0.0f;
         run_max[h] = -INFINITY;  // the first block's rescale is then ~0, and multiplies zeros
         run_sum[h] = 0.0f;
       }
@@ -191,11 +196,13 @@ void paged_decode(const T* q, int64_t q_stride, const T* k, int64_t k_stride, co
         const int64_t* key = at[here];
         locate(at[1 - here], std::clamp(len - j0 - KEY_BLOCK, (int64_t)0, KEY_BLOCK));  // the next block's keys
         for (int64_t j = 0; j < n; ++j)  // scores: each key read once, for every query head of the group
-          for (int64_t h = 0; h < group; ++h) p[h * KEY_BLOCK + j] = dot(qs + h * d, k_pool + key[j], d);
+          for (int64_t h = 0; h < group; ++h)
+            p[h * KEY_BLOCK + j] = dot(qs + h * d, k_pool + key[j], d);
         for (int64_t h = 0; h < group; ++h) {  // online softmax: scores -> weights against the new running max
           float* ph = p + h * KEY_BLOCK;
           float new_max = run_max[h], sum = 0;
-          for (int64_t j = 0; j < n; ++j) new_max = std::fmax(new_max, ph[j]);
+          for (int64_t j = 0; j < n; ++j)
+            new_max = std::fmax(new_max, ph[j]);
 #pragma omp simd reduction(+ : sum)
           for (int64_t j = 0; j < n; ++j) {
             ph[j] = exp_fast(ph[j] - new_max);
@@ -204,7 +211,8 @@ void paged_decode(const T* q, int64_t q_stride, const T* k, int64_t k_stride, co
           const float rescale = exp_fast(run_max[h] - new_max);  // what was summed so far, to the new max
           run_sum[h] = run_sum[h] * rescale + sum;
           run_max[h] = new_max;
-          for (int64_t i = 0; i < d; ++i) acc[h * d + i] *= rescale;
+          for (int64_t i = 0; i < d; ++i)
+            acc[h * d + i] *= rescale;
         }
         for (int64_t h = 0; h < group; ++h) {  // values: CHUNK of d at a time, summed over the block in registers
           float* ah = acc + h * d;
@@ -212,18 +220,23 @@ void paged_decode(const T* q, int64_t q_stride, const T* k, int64_t k_stride, co
           int64_t i = 0;
           for (; i + CHUNK <= d; i += CHUNK) {
             float sum[CHUNK];
-            for (int64_t l = 0; l < CHUNK; ++l) sum[l] = ah[i + l];
+            for (int64_t l = 0; l < CHUNK; ++l)
+              sum[l] = ah[i + l];
             for (int64_t j = 0; j < n; ++j)
 #pragma omp simd
-              for (int64_t l = 0; l < CHUNK; ++l) sum[l] += ph[j] * N::load(v_pool[key[j] + i + l]);
-            for (int64_t l = 0; l < CHUNK; ++l) ah[i + l] = sum[l];
+              for (int64_t l = 0; l < CHUNK; ++l)
+                sum[l] += ph[j] * N::load(v_pool[key[j] + i + l]);
+            for (int64_t l = 0; l < CHUNK; ++l)
+              ah[i + l] = sum[l];
           }
           for (; i < d; ++i)
-            for (int64_t j = 0; j < n; ++j) ah[i] += ph[j] * N::load(v_pool[key[j] + i]);
+            for (int64_t j = 0; j < n; ++j)
+              ah[i] += ph[j] * N::load(v_pool[key[j] + i]);
         }
       }
       for (int64_t h = 0; h < group; ++h)
-        for (int64_t i = 0; i < d; ++i) out[(b * n_q + g * group + h) * d + i] = N::store(acc[h * d + i] / run_sum[h]);
+        for (int64_t i = 0; i < d; ++i)
+          out[(b * n_q + g * group + h) * d + i] = N::store(acc[h * d + i] / run_sum[h]);
     }
   }
 }
