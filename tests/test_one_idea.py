@@ -51,6 +51,7 @@ VOCABULARY = {
     "12f_kv_cache": ["sequence_bytes", "linear_state", "layer_token_bytes"],
     "13_tp": ["tensor_parallel", "all_reduce", "vocab_parallel"],
     "14_structured": ["structured_output", "constraint", "grammar", "jump_forward", "json_schema", "llguidance"],
+    "15_stack": ["stack_switches", "stack_workload", "measure_attack", "cost_per_million"],
 }
 # words that are also plain English in messages: matched in identifiers only, not in strings
 IDENTIFIER_ONLY = {"window", "mixture", "constraint", "draft"}
