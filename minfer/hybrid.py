@@ -328,11 +328,12 @@ class HybridPagedAttention(PagedAttention):
     every sequence's new tokens from the state in the block of its last cached token, writing the state into each
     block it fills or ends in. Decode rows (one token each) run as one batch; prefill chunks per block."""
     holds_states = True
+    _state_plan = None  # the step's plan, made by its first linear layer (`bind` gives each step its own)
 
     def state_plan(self):
         """-> (decode: (rows, read blocks, write blocks) or None, prefill: [(row, end row, read block, write block)]),
         the same for every linear layer of the step. A read block of -1: the sequence's start (a zero state)."""
-        if getattr(self, "_state_plan", None) is not None:
+        if self._state_plan is not None:
             return self._state_plan
         meta, bs = self.bound_meta(), self.cache.block_size
         cu, lens, tables = meta.cu_seqlens_q.tolist(), meta.seq_lens.tolist(), meta.block_tables.tolist()
@@ -340,8 +341,10 @@ class HybridPagedAttention(PagedAttention):
         for i, n in enumerate(lens):
             c, r = n - (cu[i + 1] - cu[i]), cu[i]
             read = tables[i][(c - 1) // bs] if c else -1
-            if cu[i + 1] - r == 1:
-                rows, reads, writes = rows + [r], reads + [read], writes + [tables[i][c // bs]]
+            if cu[i + 1] - r == 1:  # a decode row: batched with the others
+                rows.append(r)
+                reads.append(read)
+                writes.append(tables[i][c // bs])
                 continue
             for p in range(c, n):  # one segment per block the chunk writes into
                 if p == c or p % bs == 0:
