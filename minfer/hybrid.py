@@ -197,7 +197,9 @@ class GatedDeltaNet(nn.Module):
         if conv_state is None:
             conv_state = qkv.new_zeros(B, s.conv_width, s.conv_kernel - 1)
         window = torch.cat([conv_state.to(qkv.dtype), qkv.transpose(1, 2)], -1)
-        mixed = self.act(F.conv1d(window, self.conv1d.weight, groups=s.conv_width)).transpose(1, 2)
+        # in the activations' dtype: fp32 in a packed bf16 model's prefill (chapter 00a's `wide_dtype`)
+        weight = self.conv1d.weight.to(window.dtype)
+        mixed = self.act(F.conv1d(window, weight, groups=s.conv_width)).transpose(1, 2)
         q, k, v = mixed.split([s.key_heads * s.key_dim, s.key_heads * s.key_dim, s.value_heads * s.value_dim], -1)
         repeat = s.value_heads // s.key_heads  # each q/k head serves that many value heads
         q, k = (l2norm(x.reshape(B, T, s.key_heads, s.key_dim).float()).repeat_interleave(repeat, 2) for x in (q, k))

@@ -147,6 +147,17 @@ def test_a_prefix_cache_hit_resumes_from_the_deepest_checkpoint(tiny):
         assert o.token_ids == reference_greedy(ref, o.prompt_token_ids, 4)
 
 
+def test_a_bf16_model_runs_its_fp32_prefill(tiny):
+    """bf16 weights: a prefill computes in fp32 (chapter 00a's `wide_dtype`), decode in bf16, the states in fp32; the
+    convolution follows the activations' dtype. Lossy: only that it runs here (fp32 is what is compared)."""
+    folder, _ = tiny
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    with LLM(str(folder), dtype="bfloat16", max_num_batched_tokens=16) as llm:
+        assert llm.engine.cache.state.dtype == torch.float32 and llm.engine.cache.conv.dtype == torch.bfloat16
+        outs = llm.generate(PROMPTS, params, raw=True)
+    assert all(len(o.token_ids) == 4 for o in outs)
+
+
 def test_samples_of_one_prompt_copy_the_state_on_write(tiny):
     "n = 3 samples fork after the prompt: each block they share, its state with it, is copied before one writes it."
     folder, ref = tiny
