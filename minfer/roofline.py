@@ -14,7 +14,7 @@ __all__ = ['DTYPE_BYTES', 'WEIGHT_FORMATS', 'DTYPE_PEAKS', 'DEVICES', 'MODELS', 
 
 # %% ../nbs/00b_roofline.ipynb #da42921a
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 import torch
 import torch.nn.functional as F
@@ -402,7 +402,8 @@ class Ledger:
     tokens_out: int = 0
     projection_bits: float = None  # the weight format's bits per projection weight, if not the dtype's (chapter 08)
     kv_layer_bytes: float = None  # one token's K/V bytes in one layer where it is stored; None: the model's numbers
-    layers: object = None  # the model's layers: each step is charged what they read in it (`param_counts`)
+    # the model's layers: each step is charged what they read in it (`param_counts`); a reference, not the ledger's data
+    layers: object = field(default=None, repr=False, compare=False)
 
     def record(self, new_tokens, cached_context, logits_rows=None, cached=True):
         """One forward step, just run. new_tokens[i], cached_context[i]: tokens computed / tokens read from cache for
