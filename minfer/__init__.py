@@ -13,7 +13,7 @@ CHAPTERS = ("gguf", "model", "roofline", "tokenizer", "naive", "kvcache", "sampl
             "paged", "radix", "flash", "cpu_kernels", "cpu_step", "scheduler", "engine", "llm", "protocol",
             "engine_loop", "serve", "cli", "chat", "awq", "awq_kernels", "formats", "format_kernels", "kvquant",
             "kivi", "step_times", "speculative", "eagle", "trees", "workers", "disagg", "families", "moe", "sinks",
-            "mla", "shared_kv", "kv_cache", "tp", "cluster", "structured", "stack")
+            "mla", "shared_kv", "kv_cache", "hybrid", "tp", "cluster", "structured", "stack")
 PUBLIC = {"LLM": "llm", "RequestOutput": "llm", "Completion": "llm", "SamplingParams": "sampling"}
 
 

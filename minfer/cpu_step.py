@@ -19,7 +19,8 @@ import torch
 from .model import Llama, Registry
 from .paged import PagedAttention
 from .cpu_kernels import (
-    CPU_KERNELS_SOURCE, CXX_FLAGS, FUSED_MAX_ROWS, build_cpu_kernels, load_kernels, can_fuse, decode_tables, _kernel)
+    CPU_KERNELS_SOURCE, CXX_FLAGS, FUSED_MAX_ROWS, build_cpu_kernels, load_kernels, can_fuse, decode_tables, _kernel,
+    _SIGNATURES, ATTENTION_BUILDS)
 
 # %% ../nbs/05c_cpu_step.ipynb #39477c64
 CPU_STEP_SOURCE = CPU_KERNELS_SOURCE + r"""
@@ -254,7 +255,9 @@ BOTH_DTYPES(DECODE_STEP)
 STEP_CXX_FLAGS = (*CXX_FLAGS, "-fopenmp")
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _STEP_ARGS = [_P, _P, _P, _P, _P, _P, _I, _P, _P, _I, _P, _I, _P, _I, _P, _F, _P]
-_STEP_SIGNATURES = {"matvec": [_P, _P, _P, _I, _I, _I], "decode_step": _STEP_ARGS}
+# and 05b's `paged_decode`, here with OpenMP on: a wide step's sequences split over the threads
+_STEP_SIGNATURES = {"matvec": [_P, _P, _P, _I, _I, _I], "decode_step": _STEP_ARGS,
+                    "paged_decode": _SIGNATURES["paged_decode"]}
 
 def openmp_runtimes():
     "Paths of the OpenMP runtimes loaded in this process (read from /proc/self/maps; empty where that does not exist)."
@@ -266,12 +269,15 @@ def openmp_runtimes():
 
 @functools.cache
 def cpu_step_kernels():
-    "This chapter's compiled kernels (built on first use): `{(name, dtype): function}`, matvec and decode_step."
+    "This chapter's compiled kernels (built on first use): `{(name, dtype): function}`: matvec, decode_step, paged_decode."
     entries = load_kernels(build_cpu_kernels(CPU_STEP_SOURCE, flags=STEP_CXX_FLAGS), _STEP_SIGNATURES)
     if len(openmp_runtimes()) > 1:  # two thread pools would fight over the cores, each spinning while the other works
         raise RuntimeError("the step kernels loaded a second OpenMP runtime beside PyTorch's "
                            f"({', '.join(sorted(openmp_runtimes()))}); use kernels='cpu'")
     return entries
+
+# `CpuAttention` calls this build's `paged_decode` where it loads (steps wider than `decode_step` takes run the modules)
+ATTENTION_BUILDS.register("openmp", cpu_step_kernels)
 
 def cpu_step_available():
     "Whether the step kernels build and load here (a C++ compiler with OpenMP, sharing PyTorch's runtime)."

@@ -25,7 +25,7 @@ from .paged import (ATTENTION_BACKENDS, KV_FORMATS, attention_backend, build_bat
 from .sequence import Sequence, SamplingParams
 from .sampling import sample_next, add_prompt_logprobs
 from .sequential import SequentialEngine
-from .roofline import Ledger, kv_traffic_per_token, weight_bytes_per_step
+from .roofline import Ledger, kv_traffic_per_token
 from .scheduler import Scheduler, Lookahead
 from .cpu_kernels import can_fuse, fuse_cpu_ops, cxx_compiler
 from .cpu_step import can_step, fuse_decode_step, STEP_PATH
@@ -47,7 +47,8 @@ class ModelRunner:
         "projection_bits: the weight format's bits per projection weight, for the ledger (None: the model's dtype)."
         self.model, self.cache, self.attn = model, cache, attention
         self.lookahead = Lookahead()  # wants no tokens ahead; `LLMEngine.lookahead` sets the scheduler's and this one
-        self.ledger = Ledger(model.cfg, str(model.dtype).removeprefix("torch."), projection_bits=projection_bits)
+        self.ledger = Ledger(model.cfg, str(model.dtype).removeprefix("torch."), projection_bits=projection_bits,
+                             layers=model.layers)
         # what one token's K/V takes in one layer of this pool, its format's scales included (chapter 09)
         dtype = self.ledger.dtype
         per_token = kv_token_bytes(model.cfg, cache.format_name or dtype, cache.block_size, dtype)
@@ -145,9 +146,8 @@ class ModelRunner:
 
     def account(self, batch, n_logits):
         "Ledger for the step, and each sequence's share: weights split evenly over the batch, plus its own KV traffic."
-        self.ledger.record([n for _, n in batch], [s.num_computed for s, _ in batch], logits_rows=n_logits)
-        tokens = sum(n for _, n in batch)
-        w = weight_bytes_per_step(self.model.cfg, self.ledger.dtype, self.ledger.projection_bits, tokens) / len(batch)
+        weights = self.ledger.record([n for _, n in batch], [s.num_computed for s, _ in batch], logits_rows=n_logits)
+        w = weights / len(batch)
         kv_read = kv_traffic_per_token(self.model.cfg, layer_bytes=self.ledger.kv_layer_bytes)[0]
         for s, n in batch:
             s.bytes_moved += w + (s.num_computed + n) * kv_read

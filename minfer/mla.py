@@ -162,8 +162,8 @@ class GroupLimitedExperts(Experts):
     def parameters(self, cfg):
         return super().parameters(cfg) + self.beside_experts(cfg)
 
-    def parameters_read(self, cfg, tokens):
-        return super().parameters_read(cfg, tokens) + self.beside_experts(cfg)
+    def parameters_touching(self, cfg, touched):
+        return super().parameters_touching(cfg, touched) + self.beside_experts(cfg)
 
 class GroupLimitedMoE(MoE):
     "Chapter 12b's `MoE` with DeepSeek-V3's routing (`GroupLimitedExperts`) and its shared expert."

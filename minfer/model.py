@@ -398,8 +398,9 @@ class MLP(nn.Module):
 
 class MLPSpec:
     """A layer's MLP other than the dense one, as its config describes it (a dense layer has None in `layer_mlps`):
-    `kind` names its module in `MLP_KINDS`, built as MLP_KINDS[kind](cfg, spec); `parameters(cfg)` counts its weights
-    (chapter 00b's bytes per step read it). Chapter 12b's mixture of experts is one."""
+    `kind` names its module in `MLP_KINDS`, built as MLP_KINDS[kind](cfg, spec); `parameters(cfg)` counts its weights,
+    `parameters_read` and `parameters_ran` what a step reads of them (chapter 00b's bytes per step). Chapter 12b's
+    mixture of experts is one."""
     kind = None
 
     def parameters(self, cfg):
@@ -408,6 +409,11 @@ class MLPSpec:
     def parameters_read(self, cfg, tokens):
         "What one step over `tokens` tokens reads of it: every weight here (a kind whose tokens pick says fewer)."
         return self.parameters(cfg)
+
+    def parameters_ran(self, cfg, module, tokens):
+        """What the step that `module` (this layer's MLP) has just run over `tokens` tokens read of it: what
+        `parameters_read` counts, unless the kind's module records what its step ran."""
+        return self.parameters_read(cfg, tokens)
 
 # the layers' attention module by name, built as ATTENTION_MODULES[name](cfg, layer): "plain" here; chapter 12a adds one
 ATTENTION_MODULES = Registry("attention_module", nn.Module)

@@ -36,10 +36,19 @@ class Experts(MLPSpec):
         "Every expert's gate, up and down, and the router's row per expert."
         return self.num_experts * (3 * cfg.hidden_size * self.width + cfg.hidden_size)
 
-    def parameters_read(self, cfg, tokens):
-        "The router, and the experts a step over `tokens` tokens touches on average (`expected_experts`)."
-        touched = expected_experts(self.num_experts, self.per_token, tokens)
+    def parameters_touching(self, cfg, touched):
+        "What a step that runs `touched` experts reads: the router, and those experts' gate, up and down."
         return self.num_experts * cfg.hidden_size + touched * 3 * cfg.hidden_size * self.width
+
+    def parameters_read(self, cfg, tokens):
+        "What a step over `tokens` tokens reads on average: the experts they touch by `expected_experts`."
+        return self.parameters_touching(cfg, expected_experts(self.num_experts, self.per_token, tokens))
+
+    def parameters_ran(self, cfg, module, tokens):
+        "What the step `module` just ran read: the experts it ran (`MoE.ran`), or the average if it ran other tokens."
+        if module.ran is None or module.ran[0] != tokens:
+            return self.parameters_read(cfg, tokens)
+        return self.parameters_touching(cfg, module.ran[1])
 
 def mixture_layers(cfg):
     "The layers of `cfg`'s model whose MLP is a mixture of experts, by index."
@@ -50,7 +59,7 @@ class MoE(nn.Module):
     """A mixture of experts in place of a layer's MLP: the router scores every expert for each token, the token runs
     its top `k`, and their outputs are summed, weighted by the router's softmax probabilities (rescaled to sum to 1
     over the k when `norm_topk_prob`). Tokens are grouped by expert, so each chosen expert runs once per step on all
-    the tokens that chose it. `touched`: set it to a list to record, per forward, how many experts ran."""
+    the tokens that chose it. `ran`: (tokens, experts run) of its last forward, what the ledger charges a step."""
     def __init__(self, cfg, spec):
         super().__init__()
         E, H, I = spec.num_experts, cfg.hidden_size, spec.width
@@ -59,7 +68,7 @@ class MoE(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(E, 2 * I, H))  # each expert's gate and up, fused as 00a's MLP does
         self.down = nn.Parameter(torch.empty(E, H, I))
         self.act = ACTIVATIONS[cfg.hidden_act]
-        self.touched = None
+        self.ran = None
 
     def checkpoint_tensors(self, prefix, take, names):
         "The router, and every expert's gate/up (fused) and down stacked into one tensor each."
@@ -97,8 +106,7 @@ class MoE(nn.Module):
                 mine = rows[start:start + n]
                 out.index_add_(0, mine, self.expert(e, x[mine]) * w[start:start + n, None])
             start += n
-        if self.touched is not None:
-            self.touched.append(sum(n > 0 for n in counts))
+        self.ran = len(x), sum(n > 0 for n in counts)
         return out.to(y.dtype)
 
 MLP_KINDS.register("moe", MoE)

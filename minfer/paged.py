@@ -32,6 +32,10 @@ class BlockAllocator:
     `allocate(n)` -> n ids at refcount 1 (all or nothing, else `OutOfBlocks`); `incref(ids)` shares; `free(ids)`
     drops one reference each and returns the ids whose count reached 0 (back on the free list at once).
     `evictor(n)`, if set (a `RadixCache` sets it), is asked to release n blocks before `OutOfBlocks` is raised."""
+    # whether a sequence may resume after any token its blocks hold (K/V per token); a pool whose blocks carry what
+    # the whole prefix up to a block's end left behind resumes only at a block boundary, and says False
+    resumes_mid_block = True
+
     def __init__(self, num_blocks, block_size=16):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks={num_blocks}, block_size={block_size}: both must be >= 1")
@@ -394,11 +398,13 @@ class PoolFormat(abc.ABC):
     `truncatable`, whether every token of a block can be dropped (`BlockTable.truncate`); `movable`, whether
     `read_blocks` / `write_blocks` move every token of a block; `runs_all`, whether attention reads it as it reads plain
     K/V, so it runs every behaviour of a model (else only those paired with it, chapter 05c's `runs_behaviours`);
-    `made_for(cfg)`, whether a model of `cfg` is stored in this format unless the user says otherwise."""
+    `made_for(cfg)`, whether a model of `cfg` is stored in this format unless the user says otherwise; `only_format`,
+    whether such a model runs in no other pool (its layers keep in this one what no other holds)."""
     name: str
     truncatable = True
     movable = True
     runs_all = True
+    only_format = False
 
     def made_for(self, cfg):
         "Whether this format is a model's own (one made for a kind of attention that stores something else): none here."

@@ -97,6 +97,8 @@ class RadixCache:
         prefix-cache hits: chapter 06a's scheduler and the generators here all call it. `unlock(node)` when done."""
         blocks, n, node = self.match_prefix(tokens)
         n = min(n, len(tokens) - 1)
+        if not self.allocator.resumes_mid_block:  # its pool resumes a sequence at a block boundary only
+            n -= n % self.block_size
         self.lock(node)
         return BlockTable(self.allocator, blocks[:-(-n // self.block_size)] if n else [], n), node
 

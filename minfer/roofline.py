@@ -14,7 +14,7 @@ __all__ = ['DTYPE_BYTES', 'WEIGHT_FORMATS', 'DTYPE_PEAKS', 'DEVICES', 'MODELS', 
 
 # %% ../nbs/00b_roofline.ipynb #da42921a
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 import torch
 import torch.nn.functional as F
@@ -26,28 +26,34 @@ from .model import ATTENTION_MODULES, Registry
 DTYPE_BYTES = Registry("dtype")
 DTYPE_BYTES.update({"float32": 4, "bfloat16": 2, "float16": 2})
 
-def param_counts(cfg, tokens=None):
+def param_counts(cfg, tokens=None, layers=None):
     """Parameters by part: embedding, attention, MLP, norms, LM head (0 when tied to the embedding). A layer whose
     MLP is of another kind (an `MLPSpec`, chapter 12b's mixture of experts) counts what its spec says: every weight
-    it holds, or with `tokens`, what one step over that many tokens reads of it."""
+    it holds, or with `tokens`, what one step over that many tokens reads of it; with `layers` too (the model's
+    layers, just after they ran that step), what its module read in it (`MLPSpec.parameters_ran`)."""
     h, L = cfg.hidden_size, cfg.num_hidden_layers
     module = ATTENTION_MODULES[cfg.attention_module]  # each attention module counts its own weights
     attn = sum(module.parameter_count(cfg, layer) for layer in range(L))
     dense = 3 * h * cfg.intermediate_size
-    def mlp_of(spec):
+    def mlp_of(layer, spec):
         if spec is None:
             return dense
-        return spec.parameters(cfg) if tokens is None else spec.parameters_read(cfg, tokens)
-    mlp = sum(mlp_of(spec) for spec in cfg.layer_mlps)
+        if tokens is None:
+            return spec.parameters(cfg)
+        if layers is None:
+            return spec.parameters_read(cfg, tokens)
+        return spec.parameters_ran(cfg, layers[layer].mlp, tokens)
+    mlp = sum(mlp_of(layer, spec) for layer, spec in enumerate(cfg.layer_mlps))
     return dict(embedding=cfg.vocab_size * h, attention=attn, mlp=mlp,
                 norms=(2 * L + 1) * h, lm_head=0 if cfg.tie_word_embeddings else cfg.vocab_size * h)
 
-def weight_bytes_per_step(cfg, dtype="float32", projection_bits=None, tokens=None):
+def weight_bytes_per_step(cfg, dtype="float32", projection_bits=None, tokens=None, layers=None):
     """Weight bytes one forward step reads: every matrix once, the embedding only as the rows looked up (negligible).
     `projection_bits`: bits per weight of the layers' projections when their format differs from `dtype` (chapter 08's
     4-bit weights with their scales and zeros); the norms and the LM head stay in `dtype`. `tokens`: the step's
-    tokens, for layers that read only part of their weights per step (`param_counts`)."""
-    p = param_counts(cfg, tokens)
+    tokens, and `layers` the layers that just ran it, for layers that read only part of their weights per step
+    (`param_counts`)."""
+    p = param_counts(cfg, tokens, layers)
     lm_head = cfg.vocab_size * cfg.hidden_size  # tied or not, the LM head matrix is read in full
     projection_bytes = DTYPE_BYTES[dtype] if projection_bits is None else projection_bits / 8
     return (p["attention"] + p["mlp"]) * projection_bytes + (p["norms"] + lm_head) * DTYPE_BYTES[dtype]
@@ -396,15 +402,19 @@ class Ledger:
     tokens_out: int = 0
     projection_bits: float = None  # the weight format's bits per projection weight, if not the dtype's (chapter 08)
     kv_layer_bytes: float = None  # one token's K/V bytes in one layer where it is stored; None: the model's numbers
+    # the model's layers: each step is charged what they read in it (`param_counts`); a reference, not the ledger's data
+    layers: object = field(default=None, repr=False, compare=False)
 
     def record(self, new_tokens, cached_context, logits_rows=None, cached=True):
-        "One forward step. new_tokens[i], cached_context[i]: tokens computed / tokens read from cache for sequence i."
+        """One forward step, just run. new_tokens[i], cached_context[i]: tokens computed / tokens read from cache for
+        sequence i. -> the step's weight bytes."""
         cfg = self.cfg
         kv_read, kv_written = kv_traffic_per_token(cfg, self.dtype, self.kv_layer_bytes)
         n, rows = sum(new_tokens), len(new_tokens) if logits_rows is None else logits_rows
         self.steps += 1
         self.tokens_in += n
-        self.weight_bytes += weight_bytes_per_step(cfg, self.dtype, self.projection_bits, tokens=n)
+        weights = weight_bytes_per_step(cfg, self.dtype, self.projection_bits, tokens=n, layers=self.layers)
+        self.weight_bytes += weights
         self.kv_read_bytes += sum(cached_context) * kv_read
         self.kv_write_bytes += n * kv_written if cached else 0
         # residual stream in and out of each layer, roughly 8 hidden-sized reads/writes per layer per token
@@ -413,6 +423,7 @@ class Ledger:
         attn = sum(t * (c + (t + 1) / 2) for t, c in zip(new_tokens, cached_context))  # query-key pairs, causal
         self.flops += 2 * n * (p["attention"] + p["mlp"]) + 2 * rows * cfg.vocab_size * cfg.hidden_size \
                       + 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * attn
+        return weights
 
     def generated(self, n=1):
         self.tokens_out += n

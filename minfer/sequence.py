@@ -137,7 +137,7 @@ class Sequence:
         """Add a generated token (and its logprobs entry); update text, stop state and timings. The logits processor
         advances on it and may force the tokens after it: with `jump` they are appended at once, without a forward
         pass of their own; the next step computes their KV as it does a prompt's. (Not after a forced token, nor inside
-        a verified run of guessed tokens: only after its last, chapter 10.) A sequence that reports logprobs takes no
+        a verified run of guessed tokens: only after its last, chapter 10a.) A sequence that reports logprobs takes no
         forced tokens: each of its tokens is sampled, so each has its distribution."""
         now = time.perf_counter()
         if not self.output_ids:

@@ -23,7 +23,8 @@ class SequentialEngine:
     def __init__(self, model, kv="contiguous", projection_bits=None):
         "projection_bits: the weight format's bits per projection weight, for the ledger (None: the model's dtype)."
         self.model, self.kv, self.waiting, self.current, self.cache = model, kv, [], None, None
-        self.ledger = Ledger(model.cfg, str(model.dtype).removeprefix("torch."), projection_bits=projection_bits)
+        self.ledger = Ledger(model.cfg, str(model.dtype).removeprefix("torch."), projection_bits=projection_bits,
+                             layers=model.layers)
 
     def add(self, seq, forks=()):
         "Queue a sequence; `forks` (further samples of the same prompt) simply run after it, each on its own."
@@ -72,7 +73,8 @@ class SequentialEngine:
             return
         seq = self.current
         seq.status, seq.metrics.first_scheduled_time = "running", time.perf_counter()
-        seq.ledger = Ledger(self.model.cfg, self.ledger.dtype, projection_bits=self.ledger.projection_bits)
+        seq.ledger = Ledger(self.model.cfg, self.ledger.dtype, projection_bits=self.ledger.projection_bits,
+                            layers=self.ledger.layers)
         if self.kv == "contiguous":
             self.cache = ContiguousKVCache(self.model.cfg, seq.max_len, self.model.dtype, self.model.device)
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from .model import ATTENTION_MODULES, MLP_KINDS, MODEL_FAMILIES, Attention, Family, rope_spec
 from .cpu_step import BEHAVIOURS, Behaviour
 from .families import FamilyAttention, layer_kinds, windows, tiny_random_model
-from .moe import Experts, MoE, expected_experts
+from .moe import Experts, MoE
 
 # %% ../nbs/12c_sinks.ipynb #4abc1778
 def sink_weights(s, sinks):
@@ -66,11 +66,10 @@ class ClampedExperts(Experts):
         biases = self.num_experts * (1 + 2 * self.width + cfg.hidden_size)
         return super().parameters(cfg) + biases
 
-    def parameters_read(self, cfg, tokens):
-        "`Experts`' count, the router's bias, and the biases of the experts the step touches."
-        touched = expected_experts(self.num_experts, self.per_token, tokens)
+    def parameters_touching(self, cfg, touched):
+        "`Experts`' count, the router's bias, and the biases of the `touched` experts."
         biases = self.num_experts + touched * (2 * self.width + cfg.hidden_size)
-        return super().parameters_read(cfg, tokens) + biases
+        return super().parameters_touching(cfg, touched) + biases
 
 class ClampedMoE(MoE):
     """Chapter 12b's `MoE` (tokens grouped by expert, its routing renormalised over the top k) with

@@ -180,8 +180,9 @@ def test_cpu_attention_reads_explicit_key_lists(cfg):
     whole, _, _ = decode_step(cfg, PagedAttention, torch.float32, lens, bs, seed=7)
     assert (got[1] - whole[1]).abs().max() > 1e-3 and torch.equal(got[0], whole[0])  # the lists changed what was read
 
-def paged_decode_call(lens, dtype, n_q, n_kv, d, bs, seed=0):
-    """`paged_decode` called directly on sequences of `lens` keys (the last one new), blocks shuffled in a pool:
+def paged_decode_call(lens, dtype, n_q, n_kv, d, bs, seed=0, table=None):
+    """`paged_decode` (of the build `table`; None: this chapter's) called directly on sequences of `lens` keys (the
+    last one new), blocks shuffled in a pool:
     (its output, fp32 reference). The reference: the pool after the same K/V write, in fp32, each sequence's keys
     gathered and handed to SDPA (query heads h * group .. read KV head h)."""
     g = torch.Generator().manual_seed(seed)
@@ -197,7 +198,7 @@ def paged_decode_call(lens, dtype, n_q, n_kv, d, bs, seed=0):
     q, k, v = qkv[:, :n_q], qkv[:, n_q:n_q + n_kv], qkv[:, n_q + n_kv:]
     keys, values = (p.float().flatten(0, 1).index_copy(0, new_slots, x.float()) for p, x in ((k_pool, k), (v_pool, v)))
     out, lens_t = torch.empty(len(lens), n_q, d, dtype=dtype), torch.tensor(lens, dtype=torch.int32)
-    ck._kernel("paged_decode", out, k_pool, v_pool)(
+    ck._kernel("paged_decode", out, k_pool, v_pool, table=table)(
         q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_pool.data_ptr(),
         v_pool.data_ptr(), new_slots.data_ptr(), tables.data_ptr(), tables.shape[1],
         lens_t.data_ptr(), bs, out.data_ptr(), len(lens), n_q, n_kv, d, d ** -0.5)
@@ -208,20 +209,27 @@ def paged_decode_call(lens, dtype, n_q, n_kv, d, bs, seed=0):
         want.append(F.scaled_dot_product_attention(q[r].float()[:, None], kr, vr)[:, 0])
     return out, torch.stack(want)
 
+@pytest.mark.parametrize("build", ["one_thread", "openmp"])
 @pytest.mark.parametrize("n_q,n_kv,d", [(9, 3, 64), (8, 2, 72), (4, 4, 16)], ids=["group3", "group4-tail", "mha"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_paged_decode_matches_sdpa(n_q, n_kv, d, dtype):
+def test_paged_decode_matches_sdpa(n_q, n_kv, d, dtype, build):
     """The kernel against SDPA over gathered keys, in fp32 from the same inputs: lengths around the kernel's key
     block (32) and the pool's block (5: no divisor of 32), so blocks end mid-key-block and the running max is rescaled
-    many times; head dims with and without a tail past the kernel's 16-wide chunks."""
-    lens = (1, 5, 31, 32, 33, 64, 97, 300, 517)
-    got, want = paged_decode_call(lens, dtype, n_q, n_kv, d, bs=5, seed=d)
+    many times; head dims with and without a tail past the kernel's 16-wide chunks. Both builds: this chapter's (one
+    thread) and chapter 05c's (OpenMP on: the sequences and KV heads split over the threads; 3 x 9 of them here)."""
+    lens = (1, 5, 31, 32, 33, 64, 97, 300, 517) * (3 if build == "openmp" else 1)
+    table = cpu_step_kernels() if build == "openmp" else cpu_kernels()
+    got, want = paged_decode_call(lens, dtype, n_q, n_kv, d, bs=5, seed=d, table=table)
     # fp32: a score of size up to ~20 is off by a few of its ulps (another summation order), a weight by that much
     # relatively (and exp's 3 ulp): ~1e-5 of the largest value. bf16: also the output's rounding, 2^-8 of |x|
     tol = 1e-5 * want.abs().max() + (want.abs() * 2**-8 if dtype == torch.bfloat16 else 0)
     assert ((got.float() - want).abs() <= tol).all(), (got.float() - want).abs().max()
     if dtype == torch.float32:  # the data is not degenerate: the rows' answers differ by far more than the tolerance
         assert (want - want.mean(0)).abs().max() > 0.1
+
+def test_cpu_attention_calls_the_threaded_build_where_it_loads(cfg):
+    "With chapter 05c loaded (and OpenMP sharing PyTorch's runtime), `CpuAttention` takes 05c's build of the kernel."
+    assert CpuAttention(PagedKVCache(cfg, 4, 16, torch.float32)).kernels is cpu_step_kernels()
 
 def test_cpu_attention_leaves_prefill_to_chapter_03(cfg):
     "A step with a prefill chunk goes through PagedAttention's path: the same output exactly."

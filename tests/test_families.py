@@ -408,9 +408,10 @@ def test_packed_sequences_attend_as_each_alone(kw):
     torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
 
 
-def test_the_ledger_charges_the_experts_a_step_touches(tiny):
-    """A mixture's bytes per step are the router and the experts its tokens touch (chapter 12b's `expected_experts`),
-    not every expert: k at one token, nearly all at many; the engine's ledger charges a batch-1 decode step that."""
+def test_the_ledger_charges_the_experts_a_step_ran(tiny):
+    """A mixture's bytes per step are the router and the experts its tokens touch, not every expert: on average
+    (chapter 12b's `expected_experts`) k at one token, nearly all at many; the engine's ledger charges each step the
+    experts its layers ran (`MoE.ran`), not the average."""
     from minfer.roofline import weight_bytes_per_step
     folder, _ = tiny("mixtral")
     cfg = ModelConfig.from_folder(folder)
@@ -420,9 +421,16 @@ def test_the_ledger_charges_the_experts_a_step_touches(tiny):
     assert held - one == pytest.approx(cfg.num_hidden_layers * (spec.num_experts - spec.per_token) * per_expert)
     assert weight_bytes_per_step(cfg, "float32", tokens=10_000) == pytest.approx(held)
     with LLM(str(folder), dtype="float32", kernels="torch") as llm:
+        ledger, layers = llm.engine.runner.ledger, llm.engine.runner.model.layers
+        out = llm.generate(PROMPTS[2], SamplingParams(max_tokens=1), raw=True)[0]  # the prompt's step alone
+        n = len(out.prompt_token_ids)
+        ran = [layer.mlp.ran for layer in layers]
+        assert ledger.steps == 1 and all(tokens == n for tokens, _ in ran)
+        assert all(spec.per_token <= experts <= spec.num_experts for _, experts in ran)
+        prompt = ledger.weight_bytes
+        assert prompt == pytest.approx(one + sum(experts - spec.per_token for _, experts in ran) * per_expert)
+        assert prompt != pytest.approx(weight_bytes_per_step(cfg, "float32", tokens=n))  # not the average
         out = llm.generate(PROMPTS[2], SamplingParams(max_tokens=8, ignore_eos=True), raw=True)[0]
-        ledger = llm.engine.runner.ledger
-    decode_steps = ledger.steps - 1  # the first step is the prompt's
+    decode_steps = ledger.steps - 2  # each run's first step is its prompt's
     assert decode_steps == 7 and len(out.token_ids) == 8
-    assert ledger.weight_bytes == pytest.approx(
-        weight_bytes_per_step(cfg, "float32", tokens=len(out.prompt_token_ids)) + decode_steps * one)
+    assert ledger.weight_bytes == pytest.approx(2 * prompt + decode_steps * one)

@@ -49,6 +49,8 @@ VOCABULARY = {
                 "e_score_correction", "group_limited"],
     "12e_shared_kv": ["shared_kv", "kv_shared", "gemma4", "layer_scalar", "kv_sources", "proportional"],
     "12f_kv_cache": ["sequence_bytes", "linear_state", "layer_token_bytes"],
+    "12g_hybrid": ["recurrent", "delta_rule", "deltanet", "qwen3_5", "holds_states", "state_plan", "boundary_allocator",
+                   "hybrid_pool", "hybrid_cache"],
     "13_tp": ["tensor_parallel", "all_reduce", "vocab_parallel"],
     "14_structured": ["structured_output", "constraint", "grammar", "jump_forward", "json_schema", "llguidance"],
     "15_stack": ["stack_switches", "stack_workload", "measure_attack", "cost_per_million"],
