@@ -85,6 +85,7 @@ bench: install peers
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python benchmarks/bench_structured.py --rounds 5
 	$(BIN)/python benchmarks/bench_cluster.py --record
 	$(BIN)/python benchmarks/bench_formats.py --record
+	$(BIN)/python benchmarks/bench_stack.py --record
 
 bench-kernels: install
 	@for f in kernels/*.py; do echo "== $$f"; $(BIN)/python $$f || exit 1; done
