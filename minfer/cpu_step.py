@@ -269,7 +269,7 @@ def openmp_runtimes():
 
 @functools.cache
 def cpu_step_kernels():
-    "This chapter's compiled kernels (built on first use): `{(name, dtype): function}`: matvec, decode_step, paged_decode."
+    "This chapter's compiled kernels (built on first use): `{(name, dtype): function}`."
     entries = load_kernels(build_cpu_kernels(CPU_STEP_SOURCE, flags=STEP_CXX_FLAGS), _STEP_SIGNATURES)
     if len(openmp_runtimes()) > 1:  # two thread pools would fight over the cores, each spinning while the other works
         raise RuntimeError("the step kernels loaded a second OpenMP runtime beside PyTorch's "

@@ -1,4 +1,4 @@
-"""Every attack on bytes per token at once, switched on one after another: what each adds on this machine, and where they stop compounding.
+"""The attacks switched on one after another: what each adds, and where they stop compounding.
 
 Docs: https://minfer.github.io/minfer/stack.html.md"""
 
