@@ -538,8 +538,8 @@ PD_RULES = (
          lambda c: "speculative decoding does not run on pd_split=True's workers (chapter 11b sends plain decodes); "
                    "use one of them"),
     Rule(("pd_split", "kv_dtype"), lambda c: c.pd_split and not _moves_blocks(c),
-         lambda c: f"pd_split=True sends whole blocks, and kv_dtype={c.kv_dtype!r} keeps each sequence's incomplete "
-                   "block in a residual window it does not send; use kv_dtype='int8'"),
+         lambda c: f"pd_split=True sends whole blocks of K and V, which kv_dtype={c.kv_dtype!r} does not hold alone: "
+                   f"{KV_FORMATS[c.kv_dtype].fixed_blocks}"),
 )
 
 for switch in [

@@ -389,6 +389,8 @@ class HybridFormat(PoolFormat):
     pool keeps the states (`only_format`)."""
     name = "hybrid"
     truncatable, movable = False, False
+    fixed_blocks = ("its blocks carry the linear layers' recurrent states, which only run forward and are not sent "
+                    "between processes; the model runs in no other pool")
     only_format = True  # no other pool keeps the linear layers' states
 
     def made_for(self, cfg):

@@ -42,6 +42,8 @@ class KIVIFormat(PoolFormat):
     # the residual window: a block once quantized cannot take back its newest tokens (`BlockTable.truncate`), and
     # `read_blocks` moves the per-block tensors, not the window
     truncatable, movable = False, False
+    fixed_blocks = ("a block is quantized once it is full, and the residual window keeps each sequence's newest tokens "
+                    "apart; use kv_dtype='int8'")
     # it runs only the behaviours paired with "kv_dtype='int4'" (`runs_behaviours`): its prefill reads its own way,
     # so a behaviour that changes how attention reads the keys is refused
     runs_all = False

@@ -405,6 +405,9 @@ class PoolFormat(abc.ABC):
     movable = True
     runs_all = True
     only_format = False
+    # where `truncatable` or `movable` is False: what holds its blocks fixed, and what to use instead, in one clause
+    # (the refusals of the switches that need either quote it: chapters 10a and 11b)
+    fixed_blocks = ""
 
     def made_for(self, cfg):
         "Whether this format is a model's own (one made for a kind of attention that stores something else): none here."

@@ -258,8 +258,8 @@ SWITCHES.register("speculative", Switch(
              lambda c: f"speculative decoding verifies guesses in the paged engine's batches; it needs kv='paged' "
                        f"(got kv={c.kv!r})"),
         Rule(("speculative", "kv_dtype"), lambda c: c.speculative is not None and not _rolls_back(c),
-             lambda c: f"kv_dtype={c.kv_dtype!r} cannot drop a rejected guess's KV from its block (its residual "
-                       "window is quantized already); use kv_dtype='int8' with speculative decoding"),
+             lambda c: f"kv_dtype={c.kv_dtype!r} cannot drop a rejected guess's KV from its block, which speculative "
+                       f"decoding needs: {KV_FORMATS[c.kv_dtype].fixed_blocks}"),
         # the method's own limits, which may read any switch registered before it
         Rule(("speculative", *SWITCHES), lambda c: _method_refuses(c) is not None, _method_refuses))))
 

@@ -201,7 +201,7 @@ def test_what_is_not_run_is_refused_in_one_line(tiny, key, value, words):
 @pytest.mark.parametrize("switches, words", [
     (dict(kv_dtype="float32"), "runs only in kv_dtype='hybrid'"),
     (dict(kv="contiguous"), "runs only in kv_dtype='hybrid'"),
-    (dict(speculative="ngram"), "cannot drop a rejected guess"),
+    (dict(speculative="ngram"), "which speculative decoding needs: its blocks carry the linear"),
     (dict(pd_split=True), "pd_split=True sends whole blocks"),
     (dict(kernels="step"), "does not run qwen3_5_text models' .*recurrent_layers"),
     (dict(attention="cpu"), "does not read kv_dtype='hybrid'")])

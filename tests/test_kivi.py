@@ -245,7 +245,7 @@ def test_triton_int4_decode_compiled(dtype, tol):
     (dict(kv_dtype="int4", attention="cpu"), "attention='cpu' does not read kv_dtype='int4'"),
     (dict(kv_dtype="int4", kernels="step"), "kernels='step' reads K/V in the model's dtype"),
     (dict(kv_dtype="int4", speculative="ngram"), "cannot drop a rejected guess's KV"),
-    (dict(kv_dtype="int4", pd_split=True), "residual window it does not send"),
+    (dict(kv_dtype="int4", pd_split=True), "does not hold alone: a block is quantized once it is full"),
 ])
 def test_combinations_a_backend_cannot_run_are_refused_in_one_line(model_dir, switches, message):
     with pytest.raises(ValueError, match=message) as e: EngineConfig(model_dir, **switches).resolve()
