@@ -1,9 +1,10 @@
-"""Where chapter 05c's one-call decode step stops paying, on this CPU: plain decoding of B sequences (fp32, the default
-model and switches) with every decode step one `decode_step` call against every step on 05b's modules (oneDNN's packed
-GEMM for the products), for each batch size B, alternating, medians; decode tok/s = B / the batch's median time per
-output token. `STEP_MAX_ROWS[float32]` (chosen by the CPU's vector width) should sit where the two cross.
+"""Where chapter 05c's one-call decode step stops paying, on this CPU: plain decoding of B sequences (the default
+model and switches, in `--dtype`) with every decode step one `decode_step` call against every step on 05b's modules
+(oneDNN's packed GEMM for the products), for each batch size B, alternating, medians; decode tok/s = B / the batch's
+median time per output token. `STEP_MAX_ROWS[dtype]` should sit where the two cross.
 
-    python benchmarks/bench_step_rows.py [--batches 1 2 3 4 5 6 8 12 16] [--repeats 3] [--max-tokens 48] [--record]
+    python benchmarks/bench_step_rows.py [--dtype float32] [--batches 1 2 3 4 5 6 8 12 16] [--repeats 3]
+        [--max-tokens 48] [--record]
 """
 import argparse, datetime, os, statistics, sys
 from pathlib import Path
@@ -35,9 +36,10 @@ def main():
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 8, 12, 16])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--record", action="store_true")
     a = ap.parse_args()
-    llm = LLM()
+    llm, dtype = LLM(dtype=a.dtype), getattr(torch, a.dtype)
     model = llm.engine.model
     default = dict(model.max_rows)
     work = prompts(llm.tokenizer, max(a.batches))
@@ -46,7 +48,7 @@ def main():
     for _ in range(a.repeats):
         for b in a.batches:
             for way, limit in WAYS.items():
-                model.max_rows = {torch.float32: limit}
+                model.max_rows = {dtype: limit}
                 rates.setdefault((b, way), []).append(decode_rate(llm, work[:b], a.max_tokens))
     model.max_rows = default
     flags = Path("/proc/cpuinfo").read_text()
@@ -54,10 +56,11 @@ def main():
     lines = ["# Where the one-call decode step stops paying (chapter 05c)\n",
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
              f"- machine: {machine()}, {isa}; PyTorch's CPU capability: {torch.backends.cpu.get_cpu_capability()}",
-             f"- command: `python benchmarks/bench_step_rows.py --repeats {a.repeats} --max-tokens {a.max_tokens}`"
+             f"- command: `python benchmarks/bench_step_rows.py {' '.join(sys.argv[1:])}`"
              f" (load average {os.getloadavg()[0]:.2f} at the end)",
-             f"- model: the default (fp32, weights packed, kernels='step'); `STEP_MAX_ROWS[float32]` here: "
-             f"{STEP_MAX_ROWS[torch.float32]}",
+             f"- model: the default ({a.dtype}, weights packed, kernels='step'; packed products in "
+             f"{llm.engine.model.layers[0].mlp.down_proj.compute_dtype}); `STEP_MAX_ROWS[{a.dtype}]` here: "
+             f"{STEP_MAX_ROWS[dtype]}",
              "- decode tok/s: B / median time per output token, medians of the repeats (alternating)\n",
              "| sequences | one call (tok/s) | 05b modules (tok/s) | one call / modules | per repeat |",
              "|---|---|---|---|---|"]

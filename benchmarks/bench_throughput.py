@@ -13,7 +13,7 @@ lengths in one offline `generate` call, as minfer does; where it is not installe
     python benchmarks/bench_throughput.py [--dtypes float32 bfloat16] [--mixes decode prefill] [--repeats 2]
         [--also kernels=cpu kernels=torch model=data/models/smollm2-135m-instruct-awq-g64] [--record]
 """
-import argparse, datetime, random, statistics, sys, time
+import argparse, datetime, os, random, statistics, sys, time
 from pathlib import Path
 
 import torch
@@ -23,7 +23,7 @@ from minfer.gguf import default_model_dir, data_dir
 from minfer.tokenizer import Tokenizer
 from minfer.sequential import make_workload
 from minfer.sequence import SamplingParams
-from minfer.roofline import measure_bandwidth, weight_bytes_per_step
+from minfer.roofline import flops_per_token, measure_bandwidth, measure_matmul_flops, weight_bytes_per_step
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_decode import machine
@@ -60,6 +60,15 @@ def run_vllm(peer, work):
     r = peer.call("generate", prompts=[ids for _, ids, _ in work], max_tokens=[n for *_, n in work])
     assert r["output_tokens"] == sum(n for *_, n in work), r
     return r["output_tokens"] / r["seconds"]
+
+def mix_flops(cfg, work):
+    """FLOPs a mix costs any engine: every prompt and output token's product with the weights and attention over the
+    tokens before it (chapter 00b's `flops_per_token`), less the LM head of prompt tokens whose logits nobody reads."""
+    head = 2 * cfg.vocab_size * cfg.hidden_size
+    total = 0
+    for _, prompt, n in work:
+        total += sum(flops_per_token(cfg, context=i) for i in range(len(prompt) + n)) - (len(prompt) - 1) * head
+    return total
 
 def switches(spec):
     "'kernels=cpu,weights=plain' -> {'kernels': 'cpu', 'weights': 'plain'} (integers as integers)."
@@ -119,7 +128,10 @@ def main():
         for peer in (hf, vllm):
             if peer is not None: peer.close()
         del llms, hf, vllm
+    # the machine's roofs, measured after the runs: copy bandwidth, the whole machine's matmul rates
     bw, cfg = measure_bandwidth(), ModelConfig.from_folder(d)
+    peaks = {dt: measure_matmul_flops(dtype=dt) for dt in ("float32", "bfloat16")}
+    cores = sorted(os.sched_getaffinity(0))[:torch.get_num_threads()]
     head = ["default"] + a.also
     lines = [f"# Offline throughput, {a.requests} requests per mix, medians of {a.repeats} alternating runs", "",
              f"- date: {datetime.datetime.now():%Y-%m-%d %H:%M}", f"- machine: {machine()}",
@@ -130,6 +142,10 @@ def main():
         lines.append(f"- {mix}-heavy mix: prompts {min(plens)}-{max(plens)} tokens (median {statistics.median(plens):.0f}, "
                      f"total {sum(plens)}), outputs {min(olens)}-{max(olens)} (total {sum(olens)}), all at t=0")
     lines += [f"- minfer {k[1]} ({k[0]}): `{v}`" for k, v in configs.items()]
+    lines.append(f"- binding: minfer's {len(cores)} PyTorch threads on cores {cores}; vLLM's OpenMP threads bound by "
+                 f"VLLM_CPU_OMP_THREADS_BIND={','.join(map(str, cores))} (benchmarks/peer_worker.py), one per core")
+    lines.append("- roofs (measured after the runs): copy bandwidth " + f"{bw / 1e9:.1f} GB/s; matmul 1024^3 "
+                 + ", ".join(f"{dt} {r / 1e9:.0f} GFLOP/s" for dt, r in peaks.items()))
     if "transformers" in peers:
         v = peers["transformers"]
         lines.append(f"- transformers: {v}" + ("" if v.startswith("PEER MISSING") else " (its own venv over the project's "
@@ -139,19 +155,26 @@ def main():
         lines.append(f"- vLLM: {v}" + ("" if v.startswith("PEER MISSING") else " (its own venv, offline generate over the "
                      "same token ids, greedy, ignore_eos)"))
     lines += ["", "| dtype | mix | " + " | ".join(f"minfer {h} tok/s" for h in head)
-              + " | transformers tok/s | default / transformers | vLLM tok/s | default / vLLM |",
-              "|---|---|" + "---|" * (len(head) + 4)]
+              + " | transformers tok/s | default / transformers | vLLM tok/s | default / vLLM "
+              + "| default GFLOP/s (% of peak) | vLLM GFLOP/s (% of peak) |",
+              "|---|---|" + "---|" * (len(head) + 6)]
     for dtype, mix, med in rows:
         tail = ""
         for peer in ("transformers", "vllm"):
             v = med.get(peer)
             tail += f" | {v:.1f} | {med['default'] / v:.2f}x" if v else " | - | -"
+        # achieved arithmetic rate: the mix's FLOPs over the seconds its output tokens took at the median rate
+        per_output = mix_flops(cfg, mixes[mix]) / sum(n for *_, n in mixes[mix])
+        for name in ("default", "vllm"):
+            rate = med[name] * per_output if med.get(name) else None
+            tail += f" | {rate / 1e9:.0f} ({rate / peaks[dtype]:.0%})" if rate else " | -"
         lines.append(f"| {dtype} | {mix} | " + " | ".join(f"{med[h]:.1f}" for h in head) + tail + " |")
     lines += ["", f"For scale: batch-1 decode cannot beat copy bandwidth / weight bytes = {bw/1e9:.1f} GB/s / "
               + ", ".join(f"{weight_bytes_per_step(cfg, dt)/1e6:.0f} MB ({dt})" for dt in a.dtypes)
               + "; batching shares each weight read across the batch.",
               "", "Targets (issue 13): the default >= 3x transformers on both mixes, fp32 and bf16; bf16 >= fp32; the default"
-              " no slower than any other switch set."]
+              " no slower than any other switch set. Issue 45: >= 1.2x vLLM on both mixes in both dtypes; bf16 >= 1.6x"
+              " fp32 where the CPU has bf16 units. % of peak: of the 1024^3 matmul rate of the row's dtype."]
     text = "\n".join(lines)
     print(text)
     if a.record:

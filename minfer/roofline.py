@@ -8,9 +8,10 @@ Docs: https://minfer.github.io/minfer/roofline.html.md"""
 __all__ = ['DTYPE_BYTES', 'WEIGHT_FORMATS', 'DTYPE_PEAKS', 'DEVICES', 'MODELS', 'BATCHES', 'CONTEXTS', 'param_counts',
            'weight_bytes_per_step', 'kv_bytes_per_token', 'kv_traffic_per_token', 'decode_bytes_per_token',
            'flops_per_token', 'PackedLinear', 'measure_bandwidth', 'measure_matmul_flops', 'measure_matvec_bandwidth',
-           'can_pack', 'pack_weights', 'WeightFormat', 'register_weight_format', 'plot_roofline', 'Device',
-           'measured_device', 'DecodeBound', 'decode_roofline', 'plot_decode_roofline', 'roofline_explorer', 'Ledger',
-           'scoreboard_path', 'ScorePoint', 'Scoreboard']
+           'machine_name', 'read_json_table', 'write_json_entry', 'measure_packed_flops', 'machine_path',
+           'bf16_products_pay', 'packed_compute_dtype', 'can_pack', 'pack_weights', 'WeightFormat',
+           'register_weight_format', 'plot_roofline', 'Device', 'measured_device', 'DecodeBound', 'decode_roofline',
+           'plot_decode_roofline', 'roofline_explorer', 'Ledger', 'scoreboard_path', 'ScorePoint', 'Scoreboard']
 
 # %% ../nbs/00b_roofline.ipynb #da42921a
 import time
@@ -92,27 +93,28 @@ from .model import DTYPES, Registry, load_model
 
 class PackedLinear(nn.Module):
     """y = x Wᵀ (+ b) for a weight W [out, in], multiplied by oneDNN from a copy it has reordered, once, into its
-    own blocked fp32 layout: the same product as `F.linear`, streamed faster by oneDNN's CPU kernels. `weight` (the
-    plain matrix, in the model's dtype) is kept: 05c's one-call decode step reads it. bf16 weights are widened to
-    fp32 for the packed copy, so products of several rows never run PyTorch's bf16 GEMM, which is very slow on CPUs
-    without bf16 units; a single row (a lone decode token) reads the half-size bf16 weight instead. A bf16 model's
-    forwards of several tokens run in fp32 from end to end (`Llama.wide_dtype`, set by `pack_weights`), so they
-    never convert between the two dtypes around each product."""
-    def __init__(self, weight, bias=None):
+    own blocked layout: the same product as `F.linear`, streamed faster by oneDNN's CPU kernels. `weight` (the plain
+    matrix, in the model's dtype) is kept: 05c's one-call decode step reads it. `compute_dtype` is the packed copy's
+    dtype and its products': the weight's own, or fp32 for a bf16 weight on a CPU whose bf16 products are slower than
+    its fp32 ones (`packed_compute_dtype` measures which). Rows in another dtype are converted to it and back, except
+    a single row (a lone decode token), which reads the half-size bf16 weight instead."""
+    def __init__(self, weight, bias=None, compute_dtype=torch.float32):
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        self.compute_dtype = compute_dtype
         self.weight = nn.Parameter(weight.detach(), requires_grad=False)
-        # a bias (chapter 12a's families have some) is added by the same call, in fp32 for the packed product
+        # a bias (chapter 12a's families have some) is added by the same call, in the packed product's dtype
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        self.bias32 = None if bias is None else bias.detach().float()
+        self.packed_bias = None if bias is None else bias.detach().to(compute_dtype)
         # the row-count hint picks oneDNN's blocking; 64 beat 1, 4, 64 and 512 rows on the course machine
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().float(), 64)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(compute_dtype), 64)
     def forward(self, x):
-        if x.dtype == torch.float32:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias32, "none", [], "")
+        if x.dtype == self.compute_dtype:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.packed_bias, "none", [], "")
         if x.shape[0] == 1:
             return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x.float(), self.packed, self.bias32, "none", [], "").to(x.dtype)
+        y = torch.ops.mkldnn._linear_pointwise(x.to(self.compute_dtype), self.packed, self.packed_bias, "none", [], "")
+        return y.to(x.dtype)
 
 # %% ../nbs/00b_roofline.ipynb #939ca998
 def _median_time(fn, repeat=7, warmup=2):
@@ -160,27 +162,110 @@ def measure_matvec_bandwidth(cfg, dtype="float32", device="cpu", packed=False, o
     nbytes = sum(w.numel() * w.element_size() for w in mats)
     return nbytes / _median_time(step, repeat=9)
 
+# %% ../nbs/00b_roofline.ipynb #pk16exp0
+import json, os, platform
+from pathlib import Path
+from .gguf import data_dir
+
+def machine_name(device="cpu"):
+    """The machine a measurement belongs to: the GPU's name, or the CPU's (its model name, and the family and model
+    numbers where /proc/cpuinfo has them) with the threads PyTorch uses."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    info = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        info.setdefault(key.strip(), value.strip())
+    name = info.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in info:
+        name += f" (family {info['cpu family']} model {info.get('model', '?')})"
+    return f"{name}, {torch.get_num_threads()} threads"
+
+def read_json_table(path):
+    "A JSON table of measurements {key: entry}; empty if there is none or it cannot be read (measured again then)."
+    try:
+        table = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return table if isinstance(table, dict) else {}
+
+def write_json_entry(path, key, entry):
+    "Set `key` of the JSON table at `path` to `entry`, keeping the others; whole or not at all."
+    path = Path(path)
+    table = read_json_table(path)  # another process may have added its own entries meanwhile
+    table[key] = entry
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(table, indent=1))
+    os.replace(tmp, path)  # a reader never sees half a table
+
+def measure_packed_flops(dtype, rows=64, n_in=1024, n_out=2048, repeat=20):
+    """FLOP/s of one thread's `PackedLinear` product of `rows` rows in `dtype` (its packed copy in that dtype too),
+    the best of `repeat`: one thread and the best time, so another job on the machine slows the measurement without
+    changing which dtype wins. `measure_matmul_flops` is the machine's whole rate."""
+    dt, threads = getattr(torch, dtype), torch.get_num_threads()
+    linear = PackedLinear(torch.randn(n_out, n_in, dtype=dt), compute_dtype=dt)
+    x = torch.randn(rows, n_in, dtype=dt)
+    torch.set_num_threads(1)
+    try:
+        seconds = min(_median_time(lambda: linear(x), repeat=1, warmup=0) for _ in range(repeat))
+    finally:
+        torch.set_num_threads(threads)
+    return 2 * rows * n_in * n_out / seconds
+
+def machine_path():
+    return data_dir() / "machine.json"
+
+def bf16_products_pay(remeasure=False):
+    """Whether this CPU multiplies several rows faster with packed bf16 weights than with packed fp32 ones (by at
+    least a fifth: a near tie keeps fp32's exact arithmetic). Never where oneDNN has no bf16 path (an AVX2-only CPU).
+    Measured once (`measure_packed_flops`, well under a second), kept in `machine_path()` under `machine_name()`;
+    `remeasure`: measure again."""
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    key = f"{machine_name()} | packed products"
+    entry = None if remeasure else read_json_table(machine_path()).get(key)
+    if not isinstance(entry, dict) or not {"float32", "bfloat16"} <= entry.keys():
+        entry = {dt: measure_packed_flops(dt) for dt in ("float32", "bfloat16")}
+        entry["measured"] = time.strftime("%Y-%m-%d %H:%M")
+        write_json_entry(machine_path(), key, entry)
+    return float(entry["bfloat16"]) > 1.2 * float(entry["float32"])
+
+def packed_compute_dtype(dtype):
+    "The dtype `pack_weights` multiplies a `dtype` model's rows in on this CPU: its own, or fp32 where bf16 is slower."
+    dtype = DTYPES[str(dtype).removeprefix("torch.")]
+    if dtype == torch.bfloat16 and not bf16_products_pay():
+        return torch.float32
+    return dtype
+
 # %% ../nbs/00b_roofline.ipynb #30078607
 def can_pack(dtype, device):
     "Whether `pack_weights` applies: float32 or bfloat16 weights on a CPU with oneDNN."
     dtype = str(dtype).removeprefix("torch.")
     return dtype in ("float32", "bfloat16") and str(device) == "cpu" and torch.backends.mkldnn.is_available()
 
-def pack_weights(model):
+def pack_weights(model, compute_dtype=None):
     """Replace every projection and the LM head by a `PackedLinear`, in place (a tied LM head still shares its weight).
-    A bf16 model then runs forwards of several tokens in fp32 activations (`wide_dtype`): its packed copies are fp32,
-    and on a CPU without bf16 units PyTorch's bf16 attention and conversions cost more than the fp32 arithmetic."""
+    `compute_dtype`: the packed copies' dtype, by default `packed_compute_dtype` (measured on this CPU). Where it is
+    wider than the model's, forwards of several tokens run in it from end to end (`wide_dtype`): on a CPU without bf16
+    units PyTorch's bf16 attention and conversions cost more than the fp32 arithmetic."""
     if not can_pack(model.dtype, model.device):
         raise ValueError(f"packed weights need float32 or bfloat16 on a CPU with oneDNN; this model is {model.dtype} "
                          f"on {model.device}")
+    compute_dtype = compute_dtype or packed_compute_dtype(model.dtype)
     for module in list(model.modules()):  # every nn.Linear: the projections (experts' are not Linears) and LM head
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, name, PackedLinear(child.weight, child.bias))
+                setattr(module, name, PackedLinear(child.weight, child.bias, compute_dtype))
     if model.cfg.tie_word_embeddings:  # still one tensor
         model.lm_head.weight = model.embed_tokens.weight
-    if model.dtype == torch.bfloat16:
-        model.wide_dtype = torch.float32
+    if compute_dtype != model.dtype:
+        model.wide_dtype = compute_dtype
     return model
 
 # %% ../nbs/00b_roofline.ipynb #e39b525b

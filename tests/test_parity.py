@@ -67,15 +67,16 @@ def test_low_precision_close_to_fp32(model_dir, tokenizer, model, dtype):
     assert clear  # the argmax was checked
 
 def test_packed_bf16_wide_steps_are_fp32_arithmetic_on_bf16_weights(model_dir, tokenizer):
-    """A packed bf16 model runs forwards of several tokens in fp32 activations (chapter 00a's `wide_dtype`): its logits
-    are those of an fp32 model holding the same bf16-rounded weights; a single token still runs in bf16. That one is
+    """A bf16 model packed in fp32 (as on a CPU whose bf16 products are slower) runs forwards of several tokens in fp32
+    activations (chapter 00a's `wide_dtype`): its logits are those of an fp32 model holding the same bf16-rounded
+    weights; a single token still runs in bf16. That one is
     lossy: against the fp32 arithmetic (contract 4, `lossy`), its logits within E = 24 bf16 eps of the largest |logit|,
     logits minus that of fp32's top token within D = 12 (measured 11.6 and 5.5 on AMD EPYC, AVX-512, 8.9 and 4.2 on
     the AVX2 stand-in: position 0, the first token, carries the residual stream's largest values, which bf16 rounds
     most coarsely). fp32's top-2 gap there is 0.99, below D, so its argmax may differ."""
     from minfer.roofline import can_pack, pack_weights
     if not can_pack("bfloat16", "cpu"): pytest.skip("oneDNN is not available")
-    low = pack_weights(load_model(model_dir, "bfloat16"))
+    low = pack_weights(load_model(model_dir, "bfloat16"), torch.float32)  # as where bf16 products do not pay
     widened = load_model(model_dir, "float32")
     for p, q in zip(widened.parameters(), load_model(model_dir, "bfloat16").parameters()): p.copy_(q.float())
     widened = pack_weights(widened)
