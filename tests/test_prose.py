@@ -139,3 +139,46 @@ def test_the_summary_check_can_fail():
     md = lambda text: {"cell_type": "markdown", "source": [text]}
     assert summary_words([md("## Summary\n\n" + "word " * 200), md("## Scoreboard"), md("Summary: short")]) == [202]
     assert summary_words([{"cell_type": "code", "source": ["## Summary"]}]) == []
+
+
+GLOSSARY = NBS / "glossary.md"
+# terms of art the chapters use without defining them where they appear: each has an entry in nbs/glossary.md
+GLOSSARY_TERMS = ["ceiling", "floor", "practical ceiling", "roofline", "ridge", "arithmetic intensity",
+                  "bytes per token", "ledger", "scoreboard", "quiet machine", "wide step", "one-call step",
+                  "kernel lab", "correctness contract", "attack", "the stack", "compounding",
+                  "price per million tokens", "TTFT", "TPOT", "goodput", "token budget", "preemption", "copy-on-write",
+                  "prefix cache", "gated delta rule", "linear attention", "hybrid", "latent", "shared KV", "RTN", "AWQ",
+                  "LM head", "GEMM", "matvec"]
+
+
+def glossary_entries(text):
+    "The lower-cased names an entry of the glossary defines ('TTFT, TPOT' defines both; 'stack, the': 'the stack')."
+    body = text.split("```{glossary}", 1)[1].rsplit("```", 1)[0]
+    names = set()
+    for line in body.splitlines():
+        if line.strip() and not line.startswith(" "):
+            head = re.sub(r"\s*\(.*\)", "", line.strip()).lower()
+            parts = [p.strip() for p in head.split(",")]
+            names.update(parts)
+            if parts[-1] == "the":
+                names.add("the " + parts[0])
+            names.update(re.findall(r"\(([^)]*)\)", line.lower()))
+    return names
+
+
+def test_the_glossary_defines_the_course_terms():
+    "Every term of GLOSSARY_TERMS has a glossary entry (its first word at least) and is used in some chapter's prose."
+    entries = glossary_entries(GLOSSARY.read_text())
+    missing = [t for t in GLOSSARY_TERMS
+               if t.lower() not in entries and not any(e.startswith(t.lower()) for e in entries)]
+    assert not missing, f"terms the course uses with no entry in nbs/glossary.md: {missing}"
+    prose = " ".join("".join(c["source"]) for nb in NBS.glob("*.ipynb") for c in json.loads(nb.read_text())["cells"]
+                     if c["cell_type"] == "markdown").lower()
+    unused = [t for t in GLOSSARY_TERMS if t.lower() not in prose]
+    assert not unused, f"GLOSSARY_TERMS that no chapter uses (take them out): {unused}"
+
+
+def test_the_glossary_check_can_fail():
+    text = "```{glossary}\nTTFT, TPOT\n  times\n\nstack, the\n  rows\n\nlatent attention (MLA)\n  one vector\n```"
+    assert glossary_entries(text) == {"ttft", "tpot", "stack", "the", "the stack", "latent attention", "mla"}
+    assert "goodput" not in glossary_entries(text)
