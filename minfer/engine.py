@@ -6,8 +6,8 @@ Docs: https://minfer.github.io/minfer/engine.html.md"""
 
 # %% auto #0
 __all__ = ['SWITCHES', 'CONFIG_RULES', 'KERNELS', 'WORKER_ENGINES', 'ModelRunner', 'LLMEngine', 'Switch', 'EngineConfig',
-           'parse_cores', 'usable_cores', 'Rule', 'auto_fields', 'auto_candidates', 'all_rules', 'resolve_config',
-           'worker_engine', 'build_model', 'engine_options', 'attach_switches', 'build_engine']
+           'parse_cores', 'usable_cores', 'Rule', 'checkpoint_dtype', 'auto_fields', 'auto_candidates', 'all_rules',
+           'resolve_config', 'worker_engine', 'build_model', 'engine_options', 'attach_switches', 'build_engine']
 
 # %% ../nbs/06b_engine.ipynb #eca06449
 import collections, importlib, json, os, sys, time
@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 from fastcore.basics import patch
 from .model import DTYPES, Registry, load_model, check_model_folder, ModelConfig, ROPE_SCALINGS
-from .roofline import WEIGHT_FORMATS
+from .roofline import WEIGHT_FORMATS, bf16_products_pay
 from .cpu_step import refused_behaviours
 from .gguf import default_model_dir
 from .paged import (ATTENTION_BACKENDS, KV_FORMATS, attention_backend, build_batch_meta, formats_read_by,
@@ -448,10 +448,25 @@ CONFIG_RULES = [
                    "triton is imported; float32 or float16: it computes bfloat16 wrongly); use attention='torch'"),
 ]
 
+def checkpoint_dtype(folder):
+    "The dtype a folder's config.json says its weights were saved in (`torch_dtype`, or `dtype`), or None."
+    config = json.loads((Path(folder) / "config.json").read_text())
+    return config.get("torch_dtype") or config.get("dtype")
+
 def _dtype_candidates(c):
-    "bf16 on a GPU; on a CPU fp32, or the dtype a folder's own weight format runs fastest in."
+    """bf16 on a GPU. On a CPU: the dtype a folder's own weight format runs fastest in; else a bf16 or fp16
+    checkpoint in bf16 where this CPU's bf16 products pay (chapter 00b measures it, once per machine); else fp32,
+    which is also what an fp32 checkpoint keeps (exact: its weights as saved)."""
     own = [WEIGHT_FORMATS[f].dtype for f in _stored_formats(c.model) if WEIGHT_FORMATS[f].dtype]
-    first = "bfloat16" if c.device == "cuda" else (own or ["float32"])[0]
+    half = checkpoint_dtype(c.model) in ("bfloat16", "float16")
+    if c.device == "cuda":
+        first = "bfloat16"
+    elif own:
+        first = own[0]
+    elif half and c.device == "cpu" and bf16_products_pay():
+        first = "bfloat16"
+    else:
+        first = "float32"
     return [first, *(d for d in DTYPES if d != first)]
 
 def _attention_candidates(c):
@@ -466,7 +481,8 @@ for switch in [
                ("none", "contiguous", "paged")),
         Switch("device", "auto", "auto = cuda if available, else cpu", ("auto", "cpu", "cuda"),
                auto=lambda c: ["cuda", "cpu"] if torch.cuda.is_available() else ["cpu"]),
-        Switch("dtype", "auto", "weights' dtype: auto = bfloat16 on CUDA, float32 on a CPU", ("auto", *DTYPES),
+        Switch("dtype", "auto", "weights' dtype: auto = bfloat16 on CUDA; on a CPU a bf16 or fp16 checkpoint's "
+               "bfloat16 where this CPU's bf16 products pay (ch. 00b), else float32", ("auto", *DTYPES),
                auto=_dtype_candidates),
         Switch("weights", "auto", "weight format (ch. 00a, 00b, 08): auto = the folder's own format, packed on a CPU",
                lambda: ("auto", *WEIGHT_FORMATS), auto=lambda c: _stored_formats(c.model) or ["packed", "plain"]),

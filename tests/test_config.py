@@ -131,3 +131,29 @@ def test_llm_with_torch_attention_runs_on_a_cpu(model_dir):
     llm = LLM(model_dir, attention="torch")
     assert llm.attention == "torch" and type(llm.engine.attn).__name__ == "PagedAttention"
     assert "Paris" in llm.generate("What is the capital of France?", SamplingParams(max_tokens=16))[0].text
+
+
+@pytest.mark.parametrize("pays", [True, False])
+def test_auto_dtype_is_bf16_for_a_bf16_checkpoint_where_bf16_pays(model_dir, tmp_path, monkeypatch, pays):
+    """`dtype="auto"` on a CPU: a checkpoint saved in bf16 runs in bf16 where this machine's packed bf16 products
+    beat fp32's (chapter 00b's table, here written by hand), in fp32 where not or where oneDNN has no bf16 path; the
+    default model (an fp32 checkpoint) stays fp32 either way."""
+    import json
+    from minfer.engine import resolve_config
+    from minfer.roofline import machine_name, machine_path
+    monkeypatch.setenv("MINFER_HOME", str(tmp_path / "home"))
+    rates = {"float32": 2.0, "bfloat16": 1.0} if not pays else {"float32": 1.0, "bfloat16": 2.0}
+    machine_path().parent.mkdir(parents=True)
+    machine_path().write_text(json.dumps({f"{machine_name()} | packed products": rates}))
+    folder = tmp_path / "bf16"
+    folder.mkdir()
+    for f in model_dir.iterdir():
+        if f.name != "config.json":
+            (folder / f.name).symlink_to(f)
+    config = json.loads((model_dir / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
+    bf16_path = torch.ops.mkldnn._is_mkldnn_bf16_supported() and torch.backends.mkldnn.is_available()
+    want = "bfloat16" if pays and bf16_path else "float32"
+    assert resolve_config(EngineConfig(model=str(folder))).dtype == want
+    assert resolve_config(EngineConfig(model=str(model_dir))).dtype == "float32"
+    assert resolve_config(EngineConfig(model=str(folder), dtype="float32")).dtype == "float32"
