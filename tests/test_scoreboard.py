@@ -219,3 +219,13 @@ def test_the_benchmarks_index_lists_every_record_and_script():
     gone = sorted(n for n in named if "/" not in n and not (ROOT / "benchmarks" / n).exists()
                   and not (ROOT / "kernels" / n).exists())
     assert not gone, f"benchmarks/README.md lists files that do not exist: {gone}"
+
+
+def test_the_index_names_the_course_machine_once():
+    "The landing page says which machine the course is measured on, in the scoreboard's words, once."
+    cells = json.loads((ROOT / "nbs" / "index.ipynb").read_text())["cells"]
+    prose = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    name = DATA["machines"][DATA["course_machine"]]["name"]
+    assert prose.count(name) == 1, f"the index names the course machine ({name}) {prose.count(name)} times"
+    others = [m["name"] for key, m in DATA["machines"].items() if key != DATA["course_machine"]]
+    assert not [n for n in others if n in prose], "the index names another machine as if it were the course's"
