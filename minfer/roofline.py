@@ -7,9 +7,9 @@ Docs: https://minfer.github.io/minfer/roofline.html.md"""
 # %% auto #0
 __all__ = ['DTYPE_BYTES', 'WEIGHT_FORMATS', 'DTYPE_PEAKS', 'DEVICES', 'MODELS', 'BATCHES', 'CONTEXTS', 'param_counts',
            'weight_bytes_per_step', 'kv_bytes_per_token', 'kv_traffic_per_token', 'decode_bytes_per_token',
-           'flops_per_token', 'PackedLinear', 'measure_bandwidth', 'measure_matmul_flops', 'measure_matvec_bandwidth',
-           'machine_name', 'read_json_table', 'write_json_entry', 'measure_packed_flops', 'machine_path',
-           'bf16_products_pay', 'packed_compute_dtype', 'can_pack', 'pack_weights', 'WeightFormat',
+           'flops_per_token', 'PackedLinear', 'measure_bandwidth', 'measure_read_bandwidth', 'measure_matmul_flops',
+           'measure_matvec_bandwidth', 'machine_name', 'read_json_table', 'write_json_entry', 'measure_packed_flops',
+           'machine_path', 'bf16_products_pay', 'packed_compute_dtype', 'can_pack', 'pack_weights', 'WeightFormat',
            'register_weight_format', 'plot_roofline', 'Device', 'measured_device', 'DecodeBound', 'decode_roofline',
            'plot_decode_roofline', 'roofline_explorer', 'Ledger', 'scoreboard_path', 'ScorePoint', 'Scoreboard']
 
@@ -133,6 +133,13 @@ def measure_bandwidth(nbytes=256 * 2**20, device="cpu"):
     dst = torch.empty_like(src)
     sync = torch.cuda.synchronize if src.is_cuda else (lambda: None)
     return 2 * nbytes / _median_time(lambda: (dst.copy_(src), sync()))
+
+def measure_read_bandwidth(nbytes=256 * 2**20, device="cpu"):
+    """Read-only stream bandwidth in bytes/s: the median of several sums over a 256 MiB tensor, which read every byte
+    once and write one number. Memory that is only read can stream faster than a copy, which also writes."""
+    src = torch.ones(nbytes // 4, device=device)  # written once here, so every page is mapped before the timing
+    sync = torch.cuda.synchronize if src.is_cuda else (lambda: None)
+    return nbytes / _median_time(lambda: (src.sum(), sync()))
 
 def measure_matmul_flops(n=1024, dtype="float32", device="cpu"):
     "Dense matmul rate in FLOP/s for n x n x n."

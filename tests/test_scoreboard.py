@@ -229,3 +229,11 @@ def test_the_index_names_the_course_machine_once():
     assert prose.count(name) == 1, f"the index names the course machine ({name}) {prose.count(name)} times"
     others = [m["name"] for key, m in DATA["machines"].items() if key != DATA["course_machine"]]
     assert not [n for n in others if n in prose], "the index names another machine as if it were the course's"
+
+
+def test_the_bandwidth_measures_count_the_bytes_they_move(monkeypatch):
+    "The ceiling's two bandwidths: a copy moves each byte twice (read, write), a read-only stream once."
+    import minfer.roofline as roofline
+    monkeypatch.setattr(roofline, "_median_time", lambda fn, **kw: (fn(), 1.0)[1])  # every timing: one second
+    assert roofline.measure_bandwidth(nbytes=2**20) == 2 * 2**20
+    assert roofline.measure_read_bandwidth(nbytes=2**20) == 2**20
