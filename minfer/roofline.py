@@ -7,9 +7,9 @@ Docs: https://minfer.github.io/minfer/roofline.html.md"""
 # %% auto #0
 __all__ = ['DTYPE_BYTES', 'WEIGHT_FORMATS', 'DTYPE_PEAKS', 'DEVICES', 'MODELS', 'BATCHES', 'CONTEXTS', 'param_counts',
            'weight_bytes_per_step', 'kv_bytes_per_token', 'kv_traffic_per_token', 'decode_bytes_per_token',
-           'flops_per_token', 'PackedLinear', 'measure_bandwidth', 'measure_matmul_flops', 'measure_matvec_bandwidth',
-           'machine_name', 'read_json_table', 'write_json_entry', 'measure_packed_flops', 'machine_path',
-           'bf16_products_pay', 'packed_compute_dtype', 'can_pack', 'pack_weights', 'WeightFormat',
+           'flops_per_token', 'PackedLinear', 'measure_bandwidth', 'measure_read_bandwidth', 'measure_matmul_flops',
+           'measure_matvec_bandwidth', 'machine_name', 'read_json_table', 'write_json_entry', 'measure_packed_flops',
+           'machine_path', 'bf16_products_pay', 'packed_compute_dtype', 'can_pack', 'pack_weights', 'WeightFormat',
            'register_weight_format', 'plot_roofline', 'Device', 'measured_device', 'DecodeBound', 'decode_roofline',
            'plot_decode_roofline', 'roofline_explorer', 'Ledger', 'scoreboard_path', 'ScorePoint', 'Scoreboard']
 
@@ -133,6 +133,13 @@ def measure_bandwidth(nbytes=256 * 2**20, device="cpu"):
     dst = torch.empty_like(src)
     sync = torch.cuda.synchronize if src.is_cuda else (lambda: None)
     return 2 * nbytes / _median_time(lambda: (dst.copy_(src), sync()))
+
+def measure_read_bandwidth(nbytes=256 * 2**20, device="cpu"):
+    """Read-only stream bandwidth in bytes/s: the median of several sums over a 256 MiB tensor, which read every byte
+    once and write one number. Memory that is only read can stream faster than a copy, which also writes."""
+    src = torch.ones(nbytes // 4, device=device)  # written once here, so every page is mapped before the timing
+    sync = torch.cuda.synchronize if src.is_cuda else (lambda: None)
+    return nbytes / _median_time(lambda: (src.sum(), sync()))
 
 def measure_matmul_flops(n=1024, dtype="float32", device="cpu"):
     "Dense matmul rate in FLOP/s for n x n x n."
@@ -550,11 +557,16 @@ class ScorePoint:
 
 class Scoreboard:
     """Measured points against the ceiling of the machine each ran on: the lower of copy bandwidth / bytes per token
-    and, where measured, the fp32 matmul rate / FLOPs per token (the roof `show` draws). Chapters are compared as
-    strings ("00b" < "01" < "05c" < "14"), so `upto="05c"` means every chapter up to 05c."""
-    def __init__(self, machines, points=(), no_point=None, gflops_per_token=None):
+    and, where measured, the fp32 matmul rate / FLOPs per token (the roof `show` draws). `course_machine` is the
+    machine the course is measured on (default: the first): `show` draws its points and ceiling, the others' points
+    only as overlays. Chapters are compared as strings ("00b" < "01" < "05c" < "14"), so `upto="05c"` means every
+    chapter up to 05c."""
+    def __init__(self, machines, points=(), no_point=None, gflops_per_token=None, course_machine=None):
         self.machines, self.points, self.no_point = dict(machines), [], dict(no_point or {})
         self.gflops_per_token = gflops_per_token  # the model's FLOPs per token, for the machines' compute roofs
+        self.course_machine = course_machine or next(iter(self.machines))
+        if self.course_machine not in self.machines:
+            raise ValueError(f"course machine {self.course_machine!r} is not one of {', '.join(self.machines)}")
         for p in points:
             self.add(p)
 
@@ -565,7 +577,8 @@ class Scoreboard:
         if not path.exists():
             raise FileNotFoundError(f"no scoreboard at {path}; it lives in the source checkout's benchmarks/")
         data = json.loads(path.read_text())
-        return cls(data["machines"], data["points"], data.get("no_point"), data.get("gflops_per_token"))
+        return cls(data["machines"], data["points"], data.get("no_point"), data.get("gflops_per_token"),
+                   data.get("course_machine"))
 
     def add(self, point):
         "Check a point (a dict or `ScorePoint`) and keep it; a bad point is refused in one line."
@@ -613,56 +626,75 @@ class Scoreboard:
     def upto(self, chapter=None):
         return [p for p in self.points if chapter is None or p.chapter <= chapter]
 
+    def line(self, p):
+        "One point in words: its speed, bytes, share of its machine's ceiling, machine and source."
+        share = ""
+        if self.ceiling(p):
+            bound, limit = self.ceiling(p)
+            share = f", {p.tok_s / bound:.0%} of its ceiling ({bound:.0f} tok/s, {limit})"
+            if p.tok_s > bound:
+                share += ": above it (a read-only stream outruns a copy, or the bytes are overcounted)"
+        return (f"{p.chapter} {p.technique} ({p.dtype}, batch {p.batch}): {p.tok_s:.1f} tok/s at "
+                f"{p.mb_per_token:.0f} MB/token{share}; {self.machines[p.machine]['name']}; {p.source}")
+
     def report(self, chapter):
-        "One line per point of `chapter` (or why it has none)."
+        """One line per point of `chapter` (or why it has none): the course machine's first, then how many come from
+        other machines, and theirs."""
         own = [p for p in self.points if p.chapter == chapter]
         if not own:
             return [f"chapter {chapter}: no point; {self.no_point.get(chapter, 'not on the scoreboard')}"]
-        lines = []
-        for p in own:
-            share = ""
-            if self.ceiling(p):
-                bound, limit = self.ceiling(p)
-                share = f", {p.tok_s / bound:.0%} of its ceiling ({bound:.0f} tok/s, {limit})"
-                if p.tok_s > bound:
-                    share += ": above it (a read-only stream outruns a copy, or the bytes are overcounted)"
-            lines.append(f"{p.chapter} {p.technique} ({p.dtype}, batch {p.batch}): {p.tok_s:.1f} tok/s at "
-                         f"{p.mb_per_token:.0f} MB/token{share}; {self.machines[p.machine]['name']}; {p.source}")
+        course = [p for p in own if p.machine == self.course_machine]
+        others = [p for p in own if p.machine != self.course_machine]
+        lines = [self.line(p) for p in course]
+        if not course:
+            lines.append(f"chapter {chapter}: no point on the course machine "
+                         f"({self.machines[self.course_machine]['name']})")
+        if others:
+            lines.append(f"{len(others)} of chapter {chapter}'s {len(own)} points come from other machines (records "
+                         f"in benchmarks/; show(overlays=True) draws them):")
+            lines += ["  " + self.line(p) for p in others]
         return lines
 
-    def show(self, upto=None, ax=None):
-        """Draw every point of the chapters up to `upto` (that chapter's own points outlined) against each machine's
-        ceiling (bandwidth and, where its matmul rate was measured, compute); print that chapter's points."""
+    def show(self, upto=None, ax=None, overlays=False):
+        """Draw the course machine's points of the chapters up to `upto` (that chapter's own outlined) against its
+        ceiling (bandwidth and, where its matmul rate was measured, compute); with `overlays`, the other machines'
+        points too, faded and labelled by machine. Print that chapter's points."""
         import numpy as np, matplotlib.pyplot as plt
         points = self.upto(upto)
         if upto:
             print("\n".join(self.report(upto)))
         ax = ax or plt.subplots(figsize=(8, 4.6))[1]
         mb = np.logspace(0.5, 3.2, 100)
-        markers = dict(zip(self.machines, "osD^v"))
-        for k, (key, m) in enumerate(self.machines.items()):
-            if not any(p.machine == key for p in points) or not m.get("bandwidth_gbs"):
-                continue
-            roof = m["bandwidth_gbs"] * 1e3 / mb
-            label = f"ceiling, {m['short']}: {m['bandwidth_gbs']} GB/s / bytes"
-            if m.get("fp32_gflops") and self.gflops_per_token:
-                compute_roof = m["fp32_gflops"] / self.gflops_per_token
+        course = self.machines[self.course_machine]
+        if course.get("bandwidth_gbs"):
+            roof = course["bandwidth_gbs"] * 1e3 / mb
+            label = f"ceiling, {course['short']}: {course['bandwidth_gbs']} GB/s / bytes"
+            if course.get("fp32_gflops") and self.gflops_per_token:
+                compute_roof = course["fp32_gflops"] / self.gflops_per_token
                 roof = np.minimum(roof, compute_roof)
                 label += f"; fp32 matmul roof {compute_roof:.0f} tok/s"
-            ax.loglog(mb, roof, ls="--", color=f"C{k}", lw=1, label=label)
-        for p in points:
-            k, mine = list(self.machines).index(p.machine), p.chapter == upto
-            ax.scatter([p.mb_per_token], [p.tok_s], marker=markers[p.machine], s=70 if mine else 35, color=f"C{k}",
-                       edgecolors="k" if mine else "none", alpha=1 if mine or upto is None else 0.55, zorder=3)
-            ax.annotate(p.chapter, (p.mb_per_token, p.tok_s), fontsize=7, xytext=(4, 2), textcoords="offset points")
-        for k, (key, m) in enumerate(self.machines.items()):  # legend entries for the machines' markers
-            if any(p.machine == key for p in points):
-                ax.scatter([], [], marker=markers[key], color=f"C{k}", label=m["short"])
+            ax.loglog(mb, roof, ls="--", color="C0", lw=1, label=label)
+        def draw(group, label, **style):
+            if group:
+                ax.scatter([p.mb_per_token for p in group], [p.tok_s for p in group], label=label, zorder=3, **style)
+            for p in group:
+                ax.annotate(p.chapter, (p.mb_per_token, p.tok_s), fontsize=7, xytext=(4, 2),
+                            textcoords="offset points", alpha=style.get("alpha", 1))
+        mine = [p for p in points if p.machine == self.course_machine]
+        draw([p for p in mine if p.chapter != upto], f"{course['short']} (the course machine)", color="C0", s=35)
+        draw([p for p in mine if p.chapter == upto], f"chapter {upto}, {course['short']}", color="C0", s=70,
+             edgecolors="k")
+        others = [key for key in self.machines if key != self.course_machine] if overlays else []
+        for k, key in enumerate(others):
+            draw([p for p in points if p.machine == key],
+                 f"other machines (records in benchmarks/): {self.machines[key]['short']}",
+                 marker="sD^v<>"[k % 6], color=f"C{k + 1}", s=25, alpha=0.35)
         ax.set_xlabel("MB moved per generated token (weights shared by the batch)")
         ax.set_ylabel("generated tokens/s")
         ax.set_xlim(mb[0], mb[-1])
         ax.set_ylim(2, 3000)
-        ax.set_title(f"scoreboard: measured decode, SmolLM2-135M, chapters up to {upto or 'the last'}")
+        ax.set_title(f"scoreboard: measured decode, SmolLM2-135M, {course['short']}, "
+                     f"chapters up to {upto or 'the last'}")
         ax.legend(fontsize=7, loc="lower left")
         ax.grid(True, which="both", alpha=0.2)
         return ax

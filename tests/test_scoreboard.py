@@ -72,14 +72,55 @@ def test_every_chapter_from_00b_shows_the_board_with_its_own_points():
         assert any(f'.show(upto="{upto}")' in c for c in code), f"{nb.name} does not show the scoreboard up to {upto}"
 
 
-def test_the_figure_draws_the_points_up_to_a_chapter():
+def drawn_points(ax):
+    "(MB/token, tok/s) of every point the figure's scatter collections hold."
+    return [tuple(xy) for c in ax.collections for xy in c.get_offsets()]
+
+
+def test_the_course_machine_is_one_of_the_machines():
     board = Scoreboard.load()
-    for upto, n in (("01", 1), ("05c", sum(p.chapter <= "05c" for p in board.points)), (None, len(board.points))):
+    assert DATA["course_machine"] in DATA["machines"] and board.course_machine == DATA["course_machine"]
+    assert any(p.machine == board.course_machine for p in board.points)
+    with pytest.raises(ValueError, match="course machine 'laptop'"):
+        Scoreboard(DATA["machines"], course_machine="laptop")
+
+
+def test_the_figure_draws_the_course_machines_points_up_to_a_chapter():
+    board = Scoreboard.load()
+    course = board.course_machine
+    for upto in ("01", "05c", None):
+        mine = [p for p in board.upto(upto) if p.machine == course]
         ax = board.show(upto)
-        drawn = sum(len(c.get_offsets()) for c in ax.collections)
+        drawn, labels = drawn_points(ax), [c.get_label() for c in ax.collections]
         plt.close(ax.figure)
-        assert drawn == n, (upto, drawn, n)
+        assert sorted(drawn) == sorted((p.mb_per_token, p.tok_s) for p in mine), (upto, drawn)
+        assert not any("other machines" in label for label in labels), labels
     assert board.report("03")[0].startswith("chapter 03: no point; ")
+
+
+def test_overlays_draw_the_other_machines_faded_and_labelled():
+    board = Scoreboard.load()
+    for upto in ("01", "05c", None):
+        ax = board.show(upto, overlays=True)
+        drawn, collections = drawn_points(ax), list(ax.collections)
+        plt.close(ax.figure)
+        assert sorted(drawn) == sorted((p.mb_per_token, p.tok_s) for p in board.upto(upto)), upto
+        overlays = [c for c in collections if c.get_label().startswith("other machines (records in benchmarks/)")]
+        others = {p.machine for p in board.upto(upto)} - {board.course_machine}
+        assert len(overlays) == len(others) and all(c.get_alpha() < 1 for c in overlays), upto
+        for key in others:
+            assert any(board.machines[key]["short"] in c.get_label() for c in overlays), key
+
+
+def test_the_report_puts_the_course_machine_first_and_counts_the_others():
+    board = Scoreboard.load()
+    name = board.machines[board.course_machine]["name"]
+    lines = board.report("01")
+    assert name in lines[0], lines
+    others = [p for p in board.points if p.chapter == "01" and p.machine != board.course_machine]
+    assert f"{len(others)} of chapter 01's " in lines[1] and "other machines" in lines[1], lines
+    only_others = board.report("02d")
+    assert only_others[0].startswith("chapter 02d: no point on the course machine"), only_others
 
 
 GOOD = dict(chapter="05c", technique="test", machine="epyc-avx2", dtype="float32", batch=1, tok_s=30.0,
@@ -178,3 +219,21 @@ def test_the_benchmarks_index_lists_every_record_and_script():
     gone = sorted(n for n in named if "/" not in n and not (ROOT / "benchmarks" / n).exists()
                   and not (ROOT / "kernels" / n).exists())
     assert not gone, f"benchmarks/README.md lists files that do not exist: {gone}"
+
+
+def test_the_index_names_the_course_machine_once():
+    "The landing page says which machine the course is measured on, in the scoreboard's words, once."
+    cells = json.loads((ROOT / "nbs" / "index.ipynb").read_text())["cells"]
+    prose = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    name = DATA["machines"][DATA["course_machine"]]["name"]
+    assert prose.count(name) == 1, f"the index names the course machine ({name}) {prose.count(name)} times"
+    others = [m["name"] for key, m in DATA["machines"].items() if key != DATA["course_machine"]]
+    assert not [n for n in others if n in prose], "the index names another machine as if it were the course's"
+
+
+def test_the_bandwidth_measures_count_the_bytes_they_move(monkeypatch):
+    "The ceiling's two bandwidths: a copy moves each byte twice (read, write), a read-only stream once."
+    import minfer.roofline as roofline
+    monkeypatch.setattr(roofline, "_median_time", lambda fn, **kw: (fn(), 1.0)[1])  # every timing: one second
+    assert roofline.measure_bandwidth(nbytes=2**20) == 2 * 2**20
+    assert roofline.measure_read_bandwidth(nbytes=2**20) == 2**20
