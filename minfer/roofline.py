@@ -96,8 +96,9 @@ class PackedLinear(nn.Module):
     own blocked layout: the same product as `F.linear`, streamed faster by oneDNN's CPU kernels. `weight` (the plain
     matrix, in the model's dtype) is kept: 05c's one-call decode step reads it. `compute_dtype` is the packed copy's
     dtype and its products': the weight's own, or fp32 for a bf16 weight on a CPU whose bf16 products are slower than
-    its fp32 ones (`packed_compute_dtype` measures which). Rows in another dtype are converted to it and back, except
-    a single row (a lone decode token), which reads the half-size bf16 weight instead."""
+    its fp32 ones (`packed_compute_dtype` measures which). Rows in another dtype (a bf16 model's fp32 activations) are
+    converted to it and the result back, except a single row in the weight's own dtype (a lone decode token), which
+    reads the half-size plain weight."""
     def __init__(self, weight, bias=None, compute_dtype=torch.float32):
         super().__init__()
         self.out_features, self.in_features = weight.shape
@@ -111,7 +112,7 @@ class PackedLinear(nn.Module):
     def forward(self, x):
         if x.dtype == self.compute_dtype:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.packed_bias, "none", [], "")
-        if x.shape[0] == 1:
+        if x.shape[0] == 1 and x.dtype == self.weight.dtype:
             return F.linear(x, self.weight, self.bias)
         y = torch.ops.mkldnn._linear_pointwise(x.to(self.compute_dtype), self.packed, self.packed_bias, "none", [], "")
         return y.to(x.dtype)
@@ -258,9 +259,10 @@ def can_pack(dtype, device):
 
 def pack_weights(model, compute_dtype=None):
     """Replace every projection and the LM head by a `PackedLinear`, in place (a tied LM head still shares its weight).
-    `compute_dtype`: the packed copies' dtype, by default `packed_compute_dtype` (measured on this CPU). Where it is
-    wider than the model's, forwards of several tokens run in it from end to end (`wide_dtype`): on a CPU without bf16
-    units PyTorch's bf16 attention and conversions cost more than the fp32 arithmetic."""
+    `compute_dtype`: the packed copies' dtype, by default `packed_compute_dtype` (measured on this CPU). A bf16 model
+    then runs forwards of several tokens in fp32 activations (`wide_dtype`), its products in `compute_dtype`: PyTorch's
+    bf16 attention, norms and conversions cost more than the fp32 arithmetic, and every row is rounded to bf16 once
+    per product rather than after every operation."""
     if not can_pack(model.dtype, model.device):
         raise ValueError(f"packed weights need float32 or bfloat16 on a CPU with oneDNN; this model is {model.dtype} "
                          f"on {model.device}")
@@ -271,8 +273,8 @@ def pack_weights(model, compute_dtype=None):
                 setattr(module, name, PackedLinear(child.weight, child.bias, compute_dtype))
     if model.cfg.tie_word_embeddings:  # still one tensor
         model.lm_head.weight = model.embed_tokens.weight
-    if compute_dtype != model.dtype:
-        model.wide_dtype = compute_dtype
+    if model.dtype == torch.bfloat16:
+        model.wide_dtype = torch.float32
     return model
 
 # %% ../nbs/00b_roofline.ipynb #e39b525b
@@ -674,11 +676,14 @@ class Scoreboard:
                 roof = np.minimum(roof, compute_roof)
                 label += f"; fp32 matmul roof {compute_roof:.0f} tok/s"
             ax.loglog(mb, roof, ls="--", color="C0", lw=1, label=label)
+        placed = []  # labels drawn so far: a point on top of another gets its label stacked below
         def draw(group, label, **style):
             if group:
                 ax.scatter([p.mb_per_token for p in group], [p.tok_s for p in group], label=label, zorder=3, **style)
             for p in group:
-                ax.annotate(p.chapter, (p.mb_per_token, p.tok_s), fontsize=7, xytext=(4, 2),
+                near = sum(abs(np.log(p.mb_per_token / x)) < 0.05 and abs(np.log(p.tok_s / y)) < 0.1 for x, y in placed)
+                placed.append((p.mb_per_token, p.tok_s))
+                ax.annotate(p.chapter, (p.mb_per_token, p.tok_s), fontsize=7, xytext=(4, 2 - 8 * near),
                             textcoords="offset points", alpha=style.get("alpha", 1))
         mine = [p for p in points if p.machine == self.course_machine]
         draw([p for p in mine if p.chapter != upto], f"{course['short']} (the course machine)", color="C0", s=35)
