@@ -238,11 +238,13 @@ def bf16_products_pay(remeasure=False):
         return False
     key = f"{machine_name()} | packed products"
     entry = None if remeasure else read_json_table(machine_path()).get(key)
-    if not isinstance(entry, dict) or not {"float32", "bfloat16"} <= entry.keys():
-        entry = {dt: measure_packed_flops(dt) for dt in ("float32", "bfloat16")}
-        entry["measured"] = time.strftime("%Y-%m-%d %H:%M")
-        write_json_entry(machine_path(), key, entry)
-    return float(entry["bfloat16"]) > 1.2 * float(entry["float32"])
+    try:
+        return float(entry["bfloat16"]) > 1.2 * float(entry["float32"])
+    except (TypeError, KeyError, ValueError):
+        pass  # none yet, or an entry of the wrong shape (an edit by hand): measured again
+    entry = {dt: measure_packed_flops(dt) for dt in ("float32", "bfloat16")}
+    write_json_entry(machine_path(), key, {**entry, "measured": time.strftime("%Y-%m-%d %H:%M")})
+    return entry["bfloat16"] > 1.2 * entry["float32"]
 
 def packed_compute_dtype(dtype):
     "The dtype `pack_weights` multiplies a `dtype` model's rows in on this CPU: its own, or fp32 where bf16 is slower."

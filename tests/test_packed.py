@@ -76,6 +76,10 @@ def test_the_choice_is_measured_once_and_kept(tmp_path, monkeypatch, model_dir):
     assert not bf16_products_pay() and pack_weights(load_model(model_dir, "bfloat16")).wide_dtype == torch.float32
     bf16_products_pay(remeasure=True)  # the hand-made entry is replaced by a measurement
     assert json.loads(machine_path().read_text())[key]["float32"] > 1e6
+    table[key].update(float32="fast", bfloat16=None)  # an entry of the wrong shape is measured again, not trusted
+    machine_path().write_text(json.dumps(table))
+    bf16_products_pay()
+    assert json.loads(machine_path().read_text())[key]["float32"] > 1e6
     machine_path().write_text("{not json")
     bf16_products_pay()
     assert json.loads(machine_path().read_text())[key]["bfloat16"] > 1e6
