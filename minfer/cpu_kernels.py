@@ -95,9 +95,15 @@ void rope(T* qkv, const T* cos, const T* sin, int64_t rows, int64_t row_stride, 
     for (int64_t h = 0; h < heads; ++h) {
       T* p = qkv + r * row_stride + h * d;
       for (int64_t i = 0; i < d; ++i) x[i] = N::load(p[i]);
-      for (int64_t i = 0; i < d; ++i)
-        p[i] = N::store(N::round(x[i] * N::load(cos[r * d + i]))
-                        + N::round(x[(i + d / 2) % d] * N::load(sin[r * d + i])));
+      // roll(x, d/2) as two halves, each a straight loop the compiler vectorises (a modulo index would stop it)
+      const int64_t half = d / 2;
+      const T* c = cos + r * d; const T* s = sin + r * d;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i)
+        p[i] = N::store(N::round(x[i] * N::load(c[i])) + N::round(x[i + half] * N::load(s[i])));
+#pragma omp simd
+      for (int64_t i = half; i < d; ++i)
+        p[i] = N::store(N::round(x[i] * N::load(c[i])) + N::round(x[i - half] * N::load(s[i])));
     }
 }
 
