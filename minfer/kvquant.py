@@ -218,37 +218,36 @@ void paged_decode_q8(const T* q, int64_t q_stride, const int8_t* k_pool, const i
                      int64_t block_size, T* out, int64_t batch, int64_t n_q, int64_t n_kv, int64_t d, float scale) {
   using N = Num<T>;
   const int64_t kv_row = n_kv * d, group = n_q / n_kv;
-  std::vector<int64_t> slot;
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t len = seq_lens[b];
+  // one item per (row, query head), every row's in one loop: built with OpenMP (chapter 05c's step) the items share
+  // out the threads in one parallel region per call, not one per row
+#pragma omp parallel for schedule(dynamic)
+  for (int64_t item = 0; item < batch * n_q; ++item) {
+    const int64_t b = item / n_q, h = item % n_q, len = seq_lens[b];
     const int32_t* table = block_tables + b * max_blocks;
-    slot.resize(len);
+    std::vector<int64_t> slot(len);
     for (int64_t j = 0; j < len; ++j) slot[j] = (int64_t)table[j / block_size] * block_size + j % block_size;
-#pragma omp parallel for schedule(static)
-    for (int64_t h = 0; h < n_q; ++h) {
-      std::vector<float> score(len), qf(d), acc(d, 0.0f);
-      const int64_t kv_h = h / group;
-      for (int64_t i = 0; i < d; ++i) qf[i] = N::load(q[b * q_stride + h * d + i]);
-      float max_score = -INFINITY, sum = 0;
-      for (int64_t j = 0; j < len; ++j) {
-        const int8_t* kj = k_pool + slot[j] * kv_row + kv_h * d;
-        float dot = 0;
+    std::vector<float> score(len), qf(d), acc(d, 0.0f);
+    const int64_t kv_h = h / group;
+    for (int64_t i = 0; i < d; ++i) qf[i] = N::load(q[b * q_stride + h * d + i]);
+    float max_score = -INFINITY, sum = 0;
+    for (int64_t j = 0; j < len; ++j) {
+      const int8_t* kj = k_pool + slot[j] * kv_row + kv_h * d;
+      float dot = 0;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t i = 0; i < d; ++i) dot += qf[i] * (float)kj[i];
-        score[j] = dot * k_scale[slot[j] * n_kv + kv_h] * scale;
-        max_score = std::fmax(max_score, score[j]);
-      }
-      float* p = score.data();
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < len; ++j) { p[j] = exp_fast(p[j] - max_score); sum += p[j]; }
-      for (int64_t j = 0; j < len; ++j) {
-        const int8_t* vj = v_pool + slot[j] * kv_row + kv_h * d;
-        const float w = p[j] * v_scale[slot[j] * n_kv + kv_h];
-#pragma omp simd
-        for (int64_t i = 0; i < d; ++i) acc[i] += w * (float)vj[i];
-      }
-      for (int64_t i = 0; i < d; ++i) out[(b * n_q + h) * d + i] = N::store(acc[i] / sum);
+      for (int64_t i = 0; i < d; ++i) dot += qf[i] * (float)kj[i];
+      score[j] = dot * k_scale[slot[j] * n_kv + kv_h] * scale;
+      max_score = std::fmax(max_score, score[j]);
     }
+    float* p = score.data();
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < len; ++j) { p[j] = exp_fast(p[j] - max_score); sum += p[j]; }
+    for (int64_t j = 0; j < len; ++j) {
+      const int8_t* vj = v_pool + slot[j] * kv_row + kv_h * d;
+      const float w = p[j] * v_scale[slot[j] * n_kv + kv_h];
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) acc[i] += w * (float)vj[i];
+    }
+    for (int64_t i = 0; i < d; ++i) out[(b * n_q + h) * d + i] = N::store(acc[i] / sum);
   }
 }
 
