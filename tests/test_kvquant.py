@@ -123,18 +123,9 @@ def test_auto_picks_what_reads_the_format(model_dir):
     from minfer.cpu_step import cpu_step_available
     c = EngineConfig(model_dir, kv_dtype="int8", device="cpu").resolve()
     assert (c.kv_dtype, c.attention) == ("int8", "cpu" if cpu_kernels_available() else "torch")
-    assert (c.kernels == "step") == cpu_step_available()  # the one-call step reads an int8 pool (beside plain weights)
+    assert (c.kernels == "step") == cpu_step_available()  # the one-call step reads an int8 pool
     c = EngineConfig(model_dir, kv_dtype="fp8", device="cpu").resolve()
     assert (c.kv_dtype, c.attention) == ("fp8", "torch") and c.kernels != "step"
-
-
-def test_the_step_reads_an_int8_pool_beside_plain_weights_only():
-    "decode_step_q8 is built over plain weights: beside another weight format, kernels='step' is refused in one line."
-    from minfer.kvquant import _step_refuses_format
-    config = lambda **kw: SimpleNamespace(**{**dict(kernels="step", kv_dtype="int8", weights="packed"), **kw})
-    assert _step_refuses_format(config()) is None and _step_refuses_format(config(kernels="cpu")) is None
-    assert "beside plain weights, not weights='awq-int4'" in _step_refuses_format(config(weights="awq-int4"))
-    assert "not kv_dtype='fp8'" in _step_refuses_format(config(kv_dtype="fp8"))
 
 
 def test_engine_runs_int8_and_its_bytes_per_token_count_the_smaller_kv(model_dir):
