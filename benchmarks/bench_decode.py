@@ -18,7 +18,7 @@ installed, the table says so in one line and keeps minfer's rows. `--no-int4` sk
     python benchmarks/bench_decode.py [--tokens 256] [--repeats 3] [--dtypes float32 bfloat16] [--kernels auto]
         [--awq-folder data/models/smollm2-135m-instruct-awq-g64] [--no-int4] [--record]
 """
-import argparse, datetime, platform, statistics, subprocess, sys, time
+import argparse, datetime, statistics, subprocess, sys, time
 from pathlib import Path
 
 import torch
@@ -29,7 +29,7 @@ from minfer.gguf import data_dir, default_model_dir, find_default_gguf
 from minfer.awq import is_awq_folder, quantize_folder
 from minfer.roofline import weight_bytes_per_step, param_counts
 from minfer.sampling import SamplingParams
-from minfer.roofline import decode_bytes_per_token, measure_bandwidth, measure_matvec_bandwidth
+from minfer.roofline import decode_bytes_per_token, machine_name, measure_bandwidth, measure_matvec_bandwidth
 from minfer.cpu_step import matvec as step_matvec
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -38,9 +38,8 @@ from peers import Peer, PeerMissing
 PROMPT = "Once upon a time, in a small village by the sea,"
 
 def machine():
-    cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("model name")), platform.processor())
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    return f"{gpu or cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    "The machine a record belongs to: chapter 00b's `machine_name` (CPU model, family and model numbers, threads)."
+    return f"{machine_name()}, torch {torch.__version__}"
 
 def time_minfer(llm, ids, n):
     t = time.perf_counter()

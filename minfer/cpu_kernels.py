@@ -78,7 +78,8 @@ void rms_norm(T* x, const T* residual, const T* weight, T* out, int64_t rows, in
     if (residual)
       for (int64_t i = 0; i < n; ++i) xr[i] = N::store(N::load(xr[i]) + N::load(residual[r * n + i]));
     double sum_sq = 0;  // double: the sum of 576+ squares, without caring about summation order
-    for (int64_t i = 0; i < n; ++i) { float v = N::load(xr[i]); sum_sq += (double)v * v; }
+#pragma omp simd reduction(+ : sum_sq)
+    for (int64_t i = 0; i < n; ++i) { double v = N::load(xr[i]); sum_sq += v * v; }
     const float inv_rms = 1.0f / std::sqrt((float)(sum_sq / n) + eps);
     for (int64_t i = 0; i < n; ++i) out[r * n + i] = N::store(N::load(weight[i]) * N::round(N::load(xr[i]) * inv_rms));
   }
@@ -94,9 +95,15 @@ void rope(T* qkv, const T* cos, const T* sin, int64_t rows, int64_t row_stride, 
     for (int64_t h = 0; h < heads; ++h) {
       T* p = qkv + r * row_stride + h * d;
       for (int64_t i = 0; i < d; ++i) x[i] = N::load(p[i]);
-      for (int64_t i = 0; i < d; ++i)
-        p[i] = N::store(N::round(x[i] * N::load(cos[r * d + i]))
-                        + N::round(x[(i + d / 2) % d] * N::load(sin[r * d + i])));
+      // roll(x, d/2) as two halves, each a straight loop the compiler vectorises (a modulo index would stop it)
+      const int64_t half = d / 2;
+      const T* c = cos + r * d; const T* s = sin + r * d;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i)
+        p[i] = N::store(N::round(x[i] * N::load(c[i])) + N::round(x[i + half] * N::load(s[i])));
+#pragma omp simd
+      for (int64_t i = half; i < d; ++i)
+        p[i] = N::store(N::round(x[i] * N::load(c[i])) + N::round(x[i - half] * N::load(s[i])));
     }
 }
 
@@ -478,33 +485,77 @@ def attention_kernels():
     return cpu_kernels()
 
 class CpuAttention(PagedAttention):
-    """`PagedAttention` whose decode steps are one `paged_decode` call per layer: write the new K/V, attend over each
-    sequence's blocks in place, in fp32 (a row with its own key list, `row_keys`, through `decode_tables`).
-    Prefill chunks and mixed steps use chapter 03's path."""
+    """`PagedAttention` whose one-row entries are one `paged_decode` call per layer: write the new K/V, attend over
+    each sequence's blocks in place, in fp32 (a row with its own key list, `row_keys`, through `decode_tables`). In a
+    step with prompt chunks the chunks go through chapter 03's `attend_chunk` and the one-row entries still through
+    `paged_decode`."""
     devices, dtypes = ("cpu",), ("float32", "bfloat16")  # and a C++ compiler (`can_fuse`)
     def __init__(self, cache):
         super().__init__(cache)
         self.kernels = attention_kernels()  # chosen once, not at each layer's call
 
+    def bind(self, meta):
+        step = super().bind(meta)
+        step.split = None  # the step's chunks and one-row entries, worked out by its first layer (`split_rows`)
+        return step
+
     def __call__(self, layer, q, k, v, variant=None):
         if variant is not None:  # a layer that attends its own way (`AttentionVariant`): chapter 03's path
             return super().__call__(layer, q, k, v, variant)
         m, (k_pool, v_pool) = self.bound_meta(), (self.cache.k[layer], self.cache.v[layer])
-        # each head's d values side by side; rows may lie any distance apart (q and k from RoPE's buffer, v from qkv)
-        rows_ok = all(t.stride(-1) == 1 and t.stride(1) == q.shape[-1] for t in (q, k, v))
-        decode = m.max_seqlen_q == 1 and q.shape[0] == len(m.seq_lens)
-        # fp32 activations over a bf16 pool (00a's `wide_dtype`): the float kernel takes one dtype, the pool's
-        if decode and q.dtype != k_pool.dtype and k_pool.is_floating_point():
-            return self(layer, *(t.to(k_pool.dtype) for t in (q, k, v))).to(q.dtype)
-        if not decode or not rows_ok or q.dtype != k_pool.dtype:
+        # the kernel reads float pools whose keys and values are as wide as the queries
+        if not k_pool.is_floating_point() or {k_pool.shape[-1], v_pool.shape[-1]} != {q.shape[-1]}:
             return super().__call__(layer, q, k, v)
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        tables, lens, block_size = decode_tables(m, k_pool.shape[1])
+        if m.max_seqlen_q == 1 and q.shape[0] == len(m.seq_lens):  # a decode step: one call for every row
+            return self.decode_rows(layer, q, k, v, m.slot_mapping, *decode_tables(m, k_pool.shape[1]))
+        if m.row_keys:  # rows with key lists of their own beside prompt chunks: chapter 03's path
+            return super().__call__(layer, q, k, v)
+        return self.chunks_and_rows(layer, q, k, v)
+
+    def decode_rows(self, layer, q, k, v, new_slots, tables, lens, block_size):
+        """`paged_decode` over rows `q`, `k`, `v` [rows, heads, d], one query row each: write each row's k and v at
+        its slot of `new_slots`, then attend over the keys its table and key count give. -> [rows, heads, d]"""
+        k_pool, v_pool = self.cache.k[layer], self.cache.v[layer]
+        # the kernel takes one dtype, the pool's (fp32 activations over a bf16 pool: 00a's `wide_dtype`), and each
+        # head's d values side by side; rows may lie any distance apart (q and k from RoPE's buffer, v from qkv)
+        def readable(t):
+            t = t.to(k_pool.dtype)
+            return t if t.stride(-1) == 1 and t.stride(1) == t.shape[-1] else t.contiguous()
+        q_in, k_in, v_in = readable(q), readable(k), readable(v)
+        out = torch.empty_like(q_in, memory_format=torch.contiguous_format)
         _kernel("paged_decode", k_pool, v_pool, out, table=self.kernels)(
-            q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_pool.data_ptr(),
-            v_pool.data_ptr(),
-            m.slot_mapping.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(), block_size,
-            out.data_ptr(), q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[2] ** -0.5)
+            q_in.data_ptr(), q_in.stride(0), k_in.data_ptr(), k_in.stride(0), v_in.data_ptr(), v_in.stride(0),
+            k_pool.data_ptr(), v_pool.data_ptr(), new_slots.data_ptr(), tables.data_ptr(), tables.shape[1],
+            lens.data_ptr(), block_size, out.data_ptr(), q_in.shape[0], q_in.shape[1], k_in.shape[1], q_in.shape[2],
+            q_in.shape[2] ** -0.5)
+        return out.to(q.dtype)
+
+    def split_rows(self, meta, block_size):
+        """The step's prompt chunks, as chapter 03 plans them ((first row, end row, key slots) each), and its one-row
+        entries: (their rows int64, block tables, key counts)."""
+        if self.plan is None:
+            self.plan = self.make_plan(meta, block_size)
+        one_row = (meta.cu_seqlens_q.diff() == 1).nonzero().flatten()
+        return self.plan[0], meta.cu_seqlens_q[one_row].long(), meta.block_tables[one_row], meta.seq_lens[one_row]
+
+    def chunks_and_rows(self, layer, q, k, v):
+        """A step with prompt chunks. Every new K/V is stored as chapter 03 stores it, each chunk attends through
+        `attend_chunk` (PyTorch's blocked products beat one query row at a time there), and the one-row entries,
+        often most of the step's sequences, go through `paged_decode` as in a decode step, not 03's padded gathers
+        (the kernel writes their K/V again, the same numbers into the same slots)."""
+        m, (k_pool, v_pool) = self.bound_meta(), (self.cache.k[layer], self.cache.v[layer])
+        if self.split is None:
+            self.split = self.split_rows(m, k_pool.shape[1])
+        chunks, rows, tables, lens = self.split
+        self.cache.store(layer, m.slot_mapping, k, v)
+        heads = k_pool.shape[2]
+        k_flat, v_flat = k_pool.view(-1, heads, k_pool.shape[-1]), v_pool.view(-1, heads, v_pool.shape[-1])
+        out = q.new_empty(q.shape)
+        for r0, r1, slots in chunks:
+            out[r0:r1] = self.attend_chunk(q[r0:r1], k_flat, v_flat, slots)
+        if len(rows):
+            out[rows] = self.decode_rows(layer, q[rows], k[rows], v[rows], m.slot_mapping[rows], tables, lens,
+                                         k_pool.shape[1])
         return out
 
 ATTENTION_BACKENDS.register("cpu", CpuAttention)  # attention="cpu" (chapter 03's registry)

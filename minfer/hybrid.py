@@ -6,18 +6,19 @@ Docs: https://minfer.github.io/minfer/hybrid.html.md"""
 
 # %% auto #0
 __all__ = ['l2norm', 'delta_rule_recurrent', 'delta_rule_chunked', 'HybridSpec', 'GatedAttention', 'GatedRMSNorm',
-           'GatedDeltaNet', 'HybridDecoderLayer', 'describe_qwen3_5_text', 'HybridCache', 'BoundaryAllocator',
-           'HybridPool', 'HybridPagedAttention', 'HybridFormat']
+           'GatedDeltaNet', 'HybridDecoderLayer', 'TextMRope', 'describe_qwen3_5_text', 'HybridCache',
+           'BoundaryAllocator', 'HybridPool', 'HybridPagedAttention', 'HybridFormat']
 
 # %% ../nbs/12g_hybrid.ipynb #89d0bf1a
 from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from .model import (MODEL_FAMILIES, ATTENTION_MODULES, DECODER_LAYERS, ACTIVATIONS, DecoderLayer, Family,
-                          NoCache, RMSNorm, RotaryEmbedding, attend, rope_spec)
+from .model import (MODEL_FAMILIES, ATTENTION_MODULES, DECODER_LAYERS, ROPE_SCALINGS, ACTIVATIONS, DecoderLayer,
+                          Family, NoCache, RMSNorm, RotaryEmbedding, attend, rope_spec)
 from .cpu_step import BEHAVIOURS, Behaviour
 from .families import partial_rope
+from .roofline import DTYPE_BYTES, kv_bytes_per_token
 from .paged import KV_FORMATS, KV_READERS, BlockAllocator, PagedAttention, PagedKVCache, PoolFormat
 
 # %% ../nbs/12g_hybrid.ipynb #e26d4328
@@ -127,6 +128,15 @@ class GatedAttention(nn.Module):
 
     numbers_read = cached_numbers
 
+    @staticmethod
+    def state_bytes(cfg, layer, dtype="float32"):
+        """A linear layer's state per sequence, which a step reads and writes once per sequence (chapter 00b's
+        ledger): the rule's matrices in fp32, as it runs, and the convolution's window in `dtype`; none in full ones."""
+        s = cfg.attention_spec
+        if not s.is_linear(layer):
+            return 0
+        return 4 * s.value_heads * s.key_dim * s.value_dim + s.conv_width * (s.conv_kernel - 1) * DTYPE_BYTES[dtype]
+
     def checkpoint_tensors(self, prefix, take, names):
         "q_proj holds each head's query and gate side by side: split them, then fuse q, gate, k, v."
         kinds = ("weight", "bias") if self.qkv_proj.bias is not None else ("weight",)
@@ -234,6 +244,19 @@ ATTENTION_MODULES.register("gated", GatedAttention)
 DECODER_LAYERS.register("hybrid", HybridDecoderLayer)
 
 # %% ../nbs/12g_hybrid.ipynb #9603ee96
+class TextMRope(RotaryEmbedding):
+    """Multimodal RoPE (`mrope_section`: which frequencies turn by an image patch's time, height and width
+    positions) on text alone: a text token's three positions are all its own, so every frequency turns by it as in
+    plain RoPE, whatever the sections and their layout (`mrope_interleaved`)."""
+    @classmethod
+    def read_spec(cls, spec, params, d):
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind != "default":
+            raise ValueError(f"mrope_section with rope_type={kind!r} is not supported (only with plain RoPE)")
+        return spec
+
+ROPE_SCALINGS.register("mrope", TextMRope)
+
 def describe_qwen3_5_text(d):
     """Qwen3.5 (text): gated DeltaNet layers with a full-attention layer every `full_attention_interval` (4)
     (`layer_types`); the full layers gated, with q/k norms and RoPE on part of each head; norms that scale by 1 + w."""
@@ -320,10 +343,9 @@ class HybridPool(PagedKVCache):
     @staticmethod
     def block_bytes(cfg, block_size=16, dtype=torch.float32):
         "Bytes one block holds: its tokens' K and V in the full layers, and one state per linear layer."
-        s, per_value = cfg.attention_spec, torch.empty(0, dtype=dtype).element_size()
-        kv = block_size * 2 * (cfg.num_hidden_layers - s.linear_layers) * cfg.num_key_value_heads * cfg.head_dim
-        conv = s.conv_width * (s.conv_kernel - 1)
-        return (kv + conv * s.linear_layers) * per_value + 4 * s.value_heads * s.key_dim * s.value_dim * s.linear_layers
+        dtype_name = str(dtype).removeprefix("torch.")
+        states = sum(GatedAttention.state_bytes(cfg, layer, dtype_name) for layer in range(cfg.num_hidden_layers))
+        return block_size * kv_bytes_per_token(cfg, dtype_name) + states
 
 class HybridPagedAttention(PagedAttention):
     """Chapter 03's torch backend over a `HybridPool`: full layers attend as there; each linear layer's `mix` runs
@@ -406,8 +428,9 @@ class HybridFormat(PoolFormat):
         return HybridPool.block_bytes(cfg, block_size, dtype)
 
     def token_bytes(self, cfg, dtype, block_size=16):
-        "One token's share of its block: K and V of the full layers, and the block's states over its tokens."
-        return HybridPool.block_bytes(cfg, block_size, getattr(torch, dtype)) / block_size
+        """One token's K and V in the full layers. The linear layers' states belong to the sequence, not to its
+        tokens: the ledger charges them once per sequence per step (`GatedAttention.state_bytes`)."""
+        return kv_bytes_per_token(cfg, dtype)
 
     def from_budget(self, cfg, budget_bytes, block_size, dtype, device, max_seqs):
         if self.refuses(cfg) is not None:

@@ -239,9 +239,9 @@ def rope_spec(d, params=None):
     layer kind's entry of it) or the older `rope_theta` + `rope_scaling`."""
     p = dict(params if params is not None else (d.get("rope_parameters") or d.get("rope_scaling") or {}))
     kind = p.get("rope_type", p.get("type", "default"))
-    if "mrope_section" in p:
+    if "mrope_section" in p:  # multimodal RoPE (positions of image patches), its own entry whatever its type
         kind = "mrope"
-    check_rope_type(kind)  # unsupported kinds (dynamic, mrope, ...) stop here, in one line
+    check_rope_type(kind)  # kinds no chapter registers (dynamic, ...) stop here, in one line
     factor = p.get("factor")
     orig = p.get("original_max_position_embeddings", d.get("original_max_position_embeddings"))
     spec = RopeSpec(theta=float(p.get("rope_theta", d.get("rope_theta", 10000.0))), rope_type=kind,
@@ -461,13 +461,17 @@ class Llama(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        # built in order, layer 0 first
         self.layers = nn.ModuleList(DECODER_LAYERS[cfg.decoder_layer](cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         make_rope(self)
+        # a module that works with another of this model's modules (a later family's layer reading an earlier
+        # layer's) is handed the model once every module exists: its `model_built(model)` links what it needs
+        for module in self.modules():
+            if hasattr(module, "model_built"):
+                module.model_built(self)
 
     @property
     def dtype(self):

@@ -6,12 +6,13 @@ Docs: https://minfer.github.io/minfer/roofline.html.md"""
 
 # %% auto #0
 __all__ = ['DTYPE_BYTES', 'WEIGHT_FORMATS', 'DTYPE_PEAKS', 'DEVICES', 'MODELS', 'BATCHES', 'CONTEXTS', 'param_counts',
-           'weight_bytes_per_step', 'kv_bytes_per_token', 'kv_traffic_per_token', 'decode_bytes_per_token',
-           'flops_per_token', 'PackedLinear', 'measure_bandwidth', 'measure_read_bandwidth', 'measure_matmul_flops',
-           'measure_matvec_bandwidth', 'machine_name', 'read_json_table', 'write_json_entry', 'measure_packed_flops',
-           'machine_path', 'bf16_products_pay', 'packed_compute_dtype', 'can_pack', 'pack_weights', 'WeightFormat',
-           'register_weight_format', 'plot_roofline', 'Device', 'measured_device', 'DecodeBound', 'decode_roofline',
-           'plot_decode_roofline', 'roofline_explorer', 'Ledger', 'scoreboard_path', 'ScorePoint', 'Scoreboard']
+           'weight_bytes_per_step', 'kv_bytes_per_token', 'kv_traffic_per_token', 'state_bytes_per_sequence',
+           'decode_bytes_per_token', 'flops_per_token', 'PackedLinear', 'measure_bandwidth', 'measure_read_bandwidth',
+           'measure_matmul_flops', 'measure_matvec_bandwidth', 'machine_name', 'read_json_table', 'write_json_entry',
+           'measure_packed_flops', 'machine_path', 'bf16_products_pay', 'packed_compute_dtype', 'can_pack',
+           'pack_weights', 'WeightFormat', 'register_weight_format', 'plot_roofline', 'Device', 'measured_device',
+           'DecodeBound', 'decode_roofline', 'plot_decode_roofline', 'roofline_explorer', 'Ledger', 'scoreboard_path',
+           'ScorePoint', 'Scoreboard']
 
 # %% ../nbs/00b_roofline.ipynb #da42921a
 import time
@@ -73,7 +74,16 @@ def kv_traffic_per_token(cfg, dtype="float32", layer_bytes=None):
     if layer_bytes is None:
         read = sum(module.numbers_read(cfg, layer) for layer in layers) * DTYPE_BYTES[dtype]
         return read, kv_bytes_per_token(cfg, dtype)
-    return layer_bytes * len(layers), layer_bytes * sum(module.cached_numbers(cfg, layer) > 0 for layer in layers)
+    # a layer that reads no K/V per token (a later chapter's, which keeps a state of fixed size instead) reads none
+    reading = sum(module.numbers_read(cfg, layer) > 0 for layer in layers)
+    return layer_bytes * reading, layer_bytes * sum(module.cached_numbers(cfg, layer) > 0 for layer in layers)
+
+def state_bytes_per_sequence(cfg, dtype="float32"):
+    """Bytes of the state of fixed size a sequence keeps beside its cache, all layers, however long the sequence: an
+    attention module whose layers keep one says its bytes (`state_bytes(cfg, layer, dtype)`); attention over a cache
+    keeps none. A step reads it once and writes it once per sequence it runs, as K/V is per token."""
+    per_layer = getattr(ATTENTION_MODULES[cfg.attention_module], "state_bytes", None)
+    return 0 if per_layer is None else sum(per_layer(cfg, layer, dtype) for layer in range(cfg.num_hidden_layers))
 
 def decode_bytes_per_token(cfg, dtype="float32", context=0, batch=1):
     "Bytes moved per generated token at batch `batch`: weights shared by the batch, plus each token's own KV reads."
@@ -511,8 +521,11 @@ class Ledger:
         self.tokens_in += n
         weights = weight_bytes_per_step(cfg, self.dtype, self.projection_bits, tokens=n, layers=self.layers)
         self.weight_bytes += weights
-        self.kv_read_bytes += sum(cached_context) * kv_read
-        self.kv_write_bytes += n * kv_written if cached else 0
+        # a state of fixed size per sequence (none for attention over a cache): read where the sequence has one,
+        # written by every sequence the step runs
+        state = state_bytes_per_sequence(cfg, self.dtype) if cached else 0
+        self.kv_read_bytes += sum(cached_context) * kv_read + state * sum(c > 0 for c in cached_context)
+        self.kv_write_bytes += n * kv_written + state * len(new_tokens) if cached else 0
         # residual stream in and out of each layer, roughly 8 hidden-sized reads/writes per layer per token
         self.activation_bytes += n * cfg.num_hidden_layers * 8 * cfg.hidden_size * DTYPE_BYTES[self.dtype]
         p = param_counts(cfg, tokens=1)  # the weights each token multiplies by: its FLOPs

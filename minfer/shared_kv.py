@@ -59,8 +59,6 @@ class SharedKVAttention(nn.Module):
     it takes the new tokens' K/V that layer computed in the same forward and attends as that layer, over that layer's
     cache (`attention(source, ...)`), so it needs no cache of its own. Handing the new K/V on again lets every
     attention (paged pool, contiguous cache, none) run it: a cache writes the same numbers into the same slots."""
-    building = []  # the attention modules of the model being built: `Llama` builds its layers in order, 0 first
-
     def __init__(self, cfg, layer=0):
         super().__init__()
         spec, h = cfg.attention_spec, cfg.hidden_size
@@ -76,15 +74,15 @@ class SharedKVAttention(nn.Module):
         self.q_scale = cfg.query_scale / self.d ** -0.5  # folded into q: attention scales by head_dim ** -0.5
         variant = cfg.layer_attention[layer]
         self.attn_kwargs = {} if variant is None else {"variant": variant}
-        if layer == 0:
-            SharedKVAttention.building = []
-        # the layer whose K/V this one reads, in a list so that it is not a submodule (its weights are that layer's)
-        self.reads = [] if own else [SharedKVAttention.building[self.source]]
+        self.reads = []  # the layer whose K/V this one reads, once the model exists (`model_built`)
         self.keeps = own and layer in spec.sources[spec.cached_layers:]  # another layer reads its new K/V
         self.new_kv = None
-        SharedKVAttention.building.append(self)
-        if layer == cfg.num_hidden_layers - 1:  # built: hold no model's modules any longer
-            SharedKVAttention.building = []
+
+    def model_built(self, model):
+        """Link the source layer's attention, in a list so that it is not a submodule (its weights are that
+        layer's): chapter 00a's `Llama` calls this once all its layers exist."""
+        if self.source != self.layer:
+            self.reads = [model.layers[self.source].self_attn]
 
     @staticmethod
     def parameter_count(cfg, layer):
@@ -105,7 +103,7 @@ class SharedKVAttention(nn.Module):
 
     def checkpoint_tensors(self, prefix, take, names):
         "q, k, v fused into one projection (the keys' twice where they are the values too); q alone where it reuses."
-        parts = "qkk" if self.values_from_keys else "qkv" if not self.reads else "q"
+        parts = "qkk" if self.values_from_keys else "qkv" if self.source == self.layer else "q"
         kinds = ("weight", "bias") if self.qkv_proj.bias is not None else ("weight",)
         fused = {}
         for w in kinds:
@@ -119,7 +117,7 @@ class SharedKVAttention(nn.Module):
         q = self.q_norm(qkv[:, :nq])
         if cos is not None:
             q = RotaryEmbedding.rotate(q, cos, sin)
-        if self.reads:
+        if self.source != self.layer:
             k, v = self.reads[0].new_kv
         else:
             k = self.k_norm(qkv[:, nq:nq + nkv])

@@ -231,17 +231,43 @@ def test_cpu_attention_calls_the_threaded_build_where_it_loads(cfg):
     "With chapter 05c loaded (and OpenMP sharing PyTorch's runtime), `CpuAttention` takes 05c's build of the kernel."
     assert CpuAttention(PagedKVCache(cfg, 4, 16, torch.float32)).kernels is cpu_step_kernels()
 
-def test_cpu_attention_leaves_prefill_to_chapter_03(cfg):
-    "A step with a prefill chunk goes through PagedAttention's path: the same output exactly."
-    torch.manual_seed(0)
-    outs = []
-    for cls in (PagedAttention, CpuAttention):
-        cache = PagedKVCache(cfg, 8, 16, torch.float32)
-        t = BlockTable(cache.allocator); t.append_slots(20)
-        attn = cls(cache).bind(build_batch_meta([(t, 0, 20)], 16))
-        qkv = torch.randn(20, 15, 64, generator=torch.Generator().manual_seed(1))
-        outs.append(attn(0, qkv[:, :9], qkv[:, 9:12], qkv[:, 12:]))
-    assert torch.equal(*outs)
+def mixed_step(cfg, cls, dtype, seqs, bs, seed):
+    """One step of prompt chunks and one-row entries, (cached, new) tokens per sequence, over a shuffled pool:
+    (output, pool k, pool v)."""
+    g = torch.Generator().manual_seed(seed)
+    nb = sum(-(-(c + n) // bs) for c, n in seqs) + 3
+    cache = PagedKVCache(cfg, nb, bs, dtype)
+    cache.allocator.free_ids = collections.deque(torch.randperm(nb, generator=g).tolist())
+    tables = [BlockTable(cache.allocator) for _ in seqs]
+    for t, (c, n) in zip(tables, seqs): t.append_slots(c + n)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g)); cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    qkv = torch.randn(sum(n for _, n in seqs), nq + 2 * nkv, cfg.head_dim, generator=g).to(dtype)
+    attn = cls(cache).bind(build_batch_meta([(t, c, n) for t, (c, n) in zip(tables, seqs)], bs))
+    out = attn(3, qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:])
+    return out, cache.k, cache.v
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_attention_mixed_step_matches_paged_attention(cfg, dtype, monkeypatch):
+    """A step with prompt chunks: the chunks' rows exactly as chapter 03 computes them, the one-row entries through
+    the kernel (03's gathers are never called) within the decode test's bounds, every new K/V in its slot."""
+    seqs, bs = [(0, 20), (5, 1), (40, 1), (33, 7), (0, 1), (17, 1)], 8
+    chunk_rows = torch.cat([torch.arange(0, 20), torch.arange(22, 29)])
+    one_rows = torch.tensor([20, 21, 29, 30])
+    want, k_want, v_want = mixed_step(cfg, PagedAttention, dtype, seqs, bs, seed=3)
+    def gathered(*args, **kwargs):
+        raise AssertionError("the one-row entries went through chapter 03's gathers")
+    monkeypatch.setattr(PagedAttention, "attention", gathered)
+    got, k_got, v_got = mixed_step(cfg, CpuAttention, dtype, seqs, bs, seed=3)
+    assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
+    assert torch.equal(got[chunk_rows], want[chunk_rows])
+    got, want = got[one_rows], want[one_rows]
+    if dtype == torch.float32: assert torch.allclose(got, want, atol=2e-6), (got - want).abs().max()
+    else:  # both within one bf16 rounding of the fp32 answer from the same bf16 inputs
+        monkeypatch.undo()
+        exact = mixed_step(cfg, PagedAttention, torch.float32, seqs, bs, seed=3)[0][one_rows]
+        tol = exact.abs().amax(-1, keepdim=True) * 2**-7 + 0.02
+        assert ((got.float() - exact).abs() <= tol).all() and ((got.float() - want.float()).abs() <= tol).all()
 
 def test_llm_cpu_kernels_equal_naive(model_dir, model, tokenizer):
     "Contract 2: LLM with the fused kernels (fp32; batched and alone) gives chapter 01's greedy tokens, or parts at a near-tie."

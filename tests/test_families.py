@@ -191,7 +191,7 @@ def test_a_parameter_nothing_fills_stops_the_loader(tiny, tmp_path):
 
 @pytest.mark.parametrize("change,key", [
     (dict(rope_parameters=dict(rope_type="dynamic", factor=4.0, rope_theta=1e4)), "dynamic"),
-    (dict(rope_parameters=dict(rope_type="default", mrope_section=[4, 2, 2], rope_theta=1e4)), "mrope"),
+    (dict(rope_parameters=dict(rope_type="dynamic", factor=4.0, mrope_section=[4, 2, 2], rope_theta=1e4)), "mrope"),
     (dict(rope_scaling=dict(type="dynamic", factor=4.0)), "dynamic"),
     (dict(vision_config={}), "vision_config"),
     (dict(quantization_config=dict(quant_method="gptq", bits=4)), "gptq"),

@@ -189,7 +189,9 @@ def test_a_dropped_decay_fails_the_comparison(tiny, monkeypatch):
 
 @pytest.mark.parametrize("key, value, words", [
     ("layer_types", ["linear_attention", "sliding_attention"] * 2, "are not supported"),
-    ("linear_num_value_heads", 3, "is not a multiple of linear_num_key_heads")])
+    ("linear_num_value_heads", 3, "is not a multiple of linear_num_key_heads"),
+    ("rope_parameters", {"rope_type": "yarn", "factor": 2.0, "mrope_section": [1, 1, 0]},
+     "mrope_section with rope_type=.yarn. is not supported")])
 def test_what_is_not_run_is_refused_in_one_line(tiny, key, value, words):
     folder, _ = tiny
     d = json.loads((folder / "config.json").read_text())
@@ -219,3 +221,82 @@ def test_other_models_keep_their_pools(model_dir):
     from minfer.paged import KV_FORMATS
     assert "has none" in KV_FORMATS["hybrid"].refuses(ModelConfig.from_folder(model_dir))
     assert EngineConfig(model=model_dir, dtype="float32").resolve().kv_dtype == "float32"
+
+
+def test_the_ledger_charges_linear_layers_their_state_once_per_sequence(tiny):
+    """A prompt of n tokens, then 3 decode steps (4 tokens out). Full layers: K and V per cached token read and per new
+    token written, as any model. Linear layers: no K/V per token; their state (the rule's matrices in fp32, the
+    convolution's window in the model's dtype) read once per sequence per step that has one, written once per step."""
+    folder, _ = tiny
+    kv_heads, head_dim = 2, 16  # chapter 12a's TINY
+    key_heads, value_heads, key_dim, value_dim = 2, 4, 16, 16  # BASE
+    full, linear = 2, 2
+    kv_per_token = full * 2 * kv_heads * head_dim * 4
+    conv_window = (2 * key_heads * key_dim + value_heads * value_dim) * (4 - 1) * 4
+    state = linear * (value_heads * key_dim * value_dim * 4 + conv_window)
+    with LLM(str(folder), dtype="float32") as llm:
+        out = llm.generate(LONG, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), raw=True)[0]
+        ledger = llm.engine.ledger
+    n = len(out.prompt_token_ids)
+    assert ledger.steps == 4 and ledger.tokens_in == n + 3
+    assert ledger.kv_write_bytes == (n + 3) * kv_per_token + 4 * state
+    assert ledger.kv_read_bytes == (n + n + 1 + n + 2) * kv_per_token + 3 * state
+
+
+def test_recomputing_without_a_cache_equals_transformers(tiny):
+    """What kv='none' runs (chapter 01: every step the whole sequence again over `NoCache`, each linear layer's state
+    from zero) gives transformers' greedy tokens."""
+    from minfer.naive import naive_generate
+    folder, ref = tiny
+    ids = Tokenizer(folder).encode(LONG)
+    assert naive_generate(load_model(folder), ids, 8) == reference_greedy(ref, ids, 8)
+
+
+MROPE = dict(BASE, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                   "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+
+
+@pytest.fixture(scope="module")
+def tiny_mrope(tmp_path_factory):
+    """-> (folder, transformers model) of a config that writes multimodal RoPE's sections, as Qwen3.5's folders do.
+    Seed 1: in this family fp32 rounding moves the log-prob of a token near -35 by up to about 1e-4 whatever the
+    sections (plain RoPE alike); seed 1's worst prompt token sits further inside the bound than seed 0's."""
+    folder = tmp_path_factory.mktemp("qwen3_5_mrope") / "tiny"
+    return folder, tiny_random_model("qwen3_5_text", folder, seed=1, **MROPE)
+
+
+def test_multimodal_rope_on_text_equals_transformers(tiny_mrope):
+    "`mrope_section` over 4 frequencies (8 of each head's 16 dimensions turn): one forward and the engine's tokens."
+    folder, ref = tiny_mrope
+    p = json.loads((folder / "config.json").read_text())["rope_parameters"]
+    assert p["mrope_section"] == [2, 1, 1] and p["mrope_interleaved"]
+    cfg = ModelConfig.from_folder(folder)
+    assert cfg.rope.rope_type == "mrope" and cfg.rope.rotated_dims(cfg.head_dim) == 8
+    ids = torch.randint(3, 2000, (64,), generator=torch.Generator().manual_seed(1))
+    theirs = reference_logprobs(ref, ids)
+    with torch.inference_mode():
+        ours = torch.log_softmax(load_model(folder)(ids, torch.arange(64), NoCache()), -1)
+    prompt = lambda lp: lp[:-1].gather(1, ids[1:, None])
+    assert (prompt(ours) - prompt(theirs)).abs().max() < 1e-4
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=0, logprobs=0)
+    with LLM(str(folder), dtype="float32") as llm:
+        outs = llm.generate(PROMPTS, params, raw=True)
+    assert len(outs[0].prompt_token_ids) >= 48
+    assert_logprobs_equal_transformers(ref, outs)
+    for o in outs:
+        assert o.token_ids == reference_greedy(ref, o.prompt_token_ids, 8)
+
+
+def test_sections_turned_by_another_position_fail_the_comparison(tiny_mrope, monkeypatch):
+    "The height and width sections turned by position 0, as an image's first patch would be: log-probs must move."
+    from minfer.hybrid import TextMRope
+    folder, ref = tiny_mrope
+    frequencies = TextMRope.frequencies
+    def time_only(self, dim):  # interleaved sections: height at frequency 1, width at 2
+        inv, scale = frequencies(self, dim)
+        return inv.index_fill(0, torch.tensor([1, 2]), 0.0), scale
+    monkeypatch.setattr(TextMRope, "frequencies", time_only)
+    ids = torch.randint(3, 2000, (48,), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        ours = torch.log_softmax(load_model(folder)(ids, torch.arange(48), NoCache()), -1)
+    assert (ours - reference_logprobs(ref, ids)).abs().max() > 1e-2

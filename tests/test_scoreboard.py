@@ -115,12 +115,16 @@ def test_overlays_draw_the_other_machines_faded_and_labelled():
 def test_the_report_puts_the_course_machine_first_and_counts_the_others():
     board = Scoreboard.load()
     name = board.machines[board.course_machine]["name"]
-    lines = board.report("01")
-    assert name in lines[0], lines
-    others = [p for p in board.points if p.chapter == "01" and p.machine != board.course_machine]
-    assert f"{len(others)} of chapter 01's " in lines[1] and "other machines" in lines[1], lines
-    only_others = board.report("02d")
-    assert only_others[0].startswith("chapter 02d: no point on the course machine"), only_others
+    lines = board.report("13")  # chapter 13: two points on the course machine, one from a record of another
+    course = [p for p in board.points if p.chapter == "13" and p.machine == board.course_machine]
+    others = [p for p in board.points if p.chapter == "13" and p.machine != board.course_machine]
+    assert course and others, "chapter 13 no longer has points on both the course machine and another"
+    assert all(name in line for line in lines[:len(course)]), lines
+    count = lines[len(course)]
+    assert f"{len(others)} of chapter 13's " in count and "other machines" in count, lines
+    assert all(line.startswith("  ") for line in lines[len(course) + 1:]) and len(lines) == len(course) + 1 + len(others)
+    only_others = board.report("05b")  # chapter 05b: records of other machines only
+    assert only_others[0].startswith("chapter 05b: no point on the course machine"), only_others
 
 
 GOOD = dict(chapter="05c", technique="test", machine="epyc-avx2", dtype="float32", batch=1, tok_s=30.0,

@@ -224,3 +224,40 @@ def test_a_model_without_reusing_layers_keeps_chapter_03_s_pool(tiny):
     assert cfg.attention_spec.cached_layers == 6 and not KV_FORMATS["shared_kv"].made_for(cfg)
     assert "the folder's gemma4_text model has none" in KV_FORMATS["shared_kv"].refuses(cfg)
     assert KV_FORMATS["shared_kv"].made_for(ModelConfig.from_folder(folder))
+
+
+def test_building_models_leaves_nothing_behind(tiny, monkeypatch):
+    """Two models built one after the other: each reusing layer reads its own model's source layer. A build that fails
+    midway (the fifth layer's MLP cannot be made) leaves none of the layers it had made alive: nothing outside the
+    model holds them."""
+    import gc, weakref
+    import minfer.model
+    from minfer.model import Llama
+    folder, _ = tiny("shared kv, window 8")
+    cfg = ModelConfig.from_folder(folder)
+    made, init = [], SharedKVAttention.__init__
+    def tracked(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(weakref.ref(self))
+    monkeypatch.setattr(SharedKVAttention, "__init__", tracked)
+    with torch.device("meta"):
+        first, second = Llama(cfg), Llama(cfg)
+    for model in (first, second):
+        for i, source in enumerate(cfg.attention_spec.sources):
+            assert model.layers[i].self_attn.reads == ([] if source == i else [model.layers[source].self_attn])
+    del first, second, model
+    layer_mlp = minfer.model.layer_mlp
+    def failing(cfg, layer):
+        if layer == 4:
+            raise RuntimeError("no memory left")
+        return layer_mlp(cfg, layer)
+    monkeypatch.setattr(minfer.model, "layer_mlp", failing)
+    failed = False
+    try:
+        with torch.device("meta"):
+            Llama(cfg)
+    except RuntimeError:
+        failed = True
+    gc.collect()
+    assert failed and len(made) == 6 + 6 + 5
+    assert [r for r in made if r() is not None] == []
