@@ -89,7 +89,7 @@ def test_auto_fills_in_around_explicit_values_on_a_cpu():
     c = resolve(attention="torch")  # the one-call step runs its own attention: the kernels move, not the user
     assert (c.kernels, c.attention) == ("cpu", "torch")
     assert resolve(kernels="torch").attention == "torch"
-    assert (resolve(kv_dtype="int8").kernels, resolve(kv_dtype="int8").attention) == ("cpu", "cpu")
+    assert (resolve(kv_dtype="int8").kernels, resolve(kv_dtype="int8").attention) == ("step", "cpu")
     assert (resolve(kv_dtype="fp8").kernels, resolve(kv_dtype="fp8").attention) == ("cpu", "torch")
     c = resolve(kv_dtype="float16")  # an unquantized KV cache is in the model's dtype: the model follows
     assert (c.dtype, c.weights, c.kernels, c.attention) == ("float16", "plain", "torch", "torch")

@@ -107,7 +107,7 @@ def test_copy_on_write_and_transfers_move_codes_and_scales(kv_dtype):
 
 
 @pytest.mark.parametrize("switches, message", [
-    (dict(kv_dtype="int8", kernels="step"), "kernels='step' reads K/V in the model's dtype"),
+    (dict(kv_dtype="fp8", kernels="step"), "reads K/V in the model's dtype or kv_dtype='int8', not kv_dtype='fp8'"),
     (dict(kv_dtype="fp8", attention="cpu"), "attention='cpu' does not read kv_dtype='fp8'"),
     (dict(kv_dtype="fp8", kv="contiguous", kernels="cpu"), "needs kv='paged'"),
     (dict(kv_dtype="float16", dtype="float32"), "stored in the model's dtype"),
@@ -120,8 +120,10 @@ def test_combinations_a_backend_cannot_run_are_refused_in_one_line(model_dir, sw
 
 def test_auto_picks_what_reads_the_format(model_dir):
     from minfer.cpu_kernels import cpu_kernels_available
+    from minfer.cpu_step import cpu_step_available
     c = EngineConfig(model_dir, kv_dtype="int8", device="cpu").resolve()
-    assert (c.kv_dtype, c.attention) == ("int8", "cpu" if cpu_kernels_available() else "torch") and c.kernels != "step"
+    assert (c.kv_dtype, c.attention) == ("int8", "cpu" if cpu_kernels_available() else "torch")
+    assert (c.kernels == "step") == cpu_step_available()  # the one-call step reads an int8 pool
     c = EngineConfig(model_dir, kv_dtype="fp8", device="cpu").resolve()
     assert (c.kv_dtype, c.attention) == ("fp8", "torch") and c.kernels != "step"
 
@@ -301,3 +303,136 @@ def test_triton_backend_reads_quantized_pools_like_the_reference(kv_dtype):
     outs = backends_on_the_same_steps(lambda cfg: QuantizedKVCache(cfg, 8, 4, kv_dtype=kv_dtype))
     for step, ref, out in zip(TRITON_STEPS, outs["torch"], outs["triton"]):
         assert (out - ref).abs().max() < 1e-5, (step, (out - ref).abs().max())
+
+
+# ---- chapter 05c's one-call step over an int8 pool (`STEP_POOLS["int8"]`, `Int8Pool`, `decode_step*_kv8`) ----
+
+def decode_over(model, cache, backend, prompts, feed):
+    """Prefill `prompts` (token ids) one at a time into `cache` through attention class `backend`, then one decode step
+    of all of them together per row of `feed` [steps, batch] (the tokens fed: the same for every model compared).
+    -> logits [steps, batch, vocab]"""
+    tables, out = [], []
+    with torch.inference_mode():
+        for ids in prompts:
+            t = BlockTable(cache.allocator)
+            t.append_slots(len(ids))
+            tables.append(t)
+            a = backend(cache).bind(build_batch_meta([(t, 0, len(ids))], cache.block_size))
+            model(torch.tensor(ids), torch.arange(len(ids)), a, logits_rows=torch.tensor([len(ids) - 1]))
+        for tokens in feed:
+            for t in tables: t.append_slots(1)
+            a = backend(cache).bind(build_batch_meta([(t, t.num_tokens - 1, 1) for t in tables], cache.block_size))
+            out.append(model(tokens, torch.tensor([t.num_tokens - 1 for t in tables]), a))
+    return torch.stack(out).float()
+
+
+STEP_PROMPTS = ["The capital of France is", "def fibonacci(n):",
+                " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog." for i in range(12))]
+
+
+@pytest.fixture(scope="module")
+def rtn_folder(tmp_path_factory, model_dir):
+    "The default model in chapter 08's 4-bit weights (round-to-nearest, groups of 64: seconds, no search)."
+    from minfer.awq import quantize_folder
+    return quantize_folder(model_dir, tmp_path_factory.mktemp("rtn") / "rtn-g64", method="rtn", group_size=64)
+
+
+@pytest.mark.parametrize("weights, drift_bound", [("plain", 2**-4), ("awq-int4", 2**-2)])
+def test_one_call_step_reads_an_int8_pool_like_the_dequantized_reference(weights, drift_bound, model_dir, tokenizer,
+                                                                          request, monkeypatch):
+    """The one-call step over an int8 pool (the call quantizes each layer's new K/V itself, then reads codes and
+    scales), with plain weights and with chapter 08's 4-bit ones, against the same model's modules (fp32) over their own
+    int8 pool read by chapter 03's attention, which dequantizes the rows it gathers; both fed the same tokens.
+    Both store the same format and start from the same numbers, differing by summation order (about 1e-6 relative). So
+    in layer 0 the call writes `KVFormat.quantize`'s codes and scales: scales within 1e-5, codes equal but where that
+    noise carried a value across a rounding boundary (one step, rare). Once a code flips, every later layer sees a value
+    one step (amax/127 of its vector) away and passes the difference up, as int8's own rounding does: each vector within
+    `drift_bound` of its length in every layer (measured 0.021 with plain weights, 0.037 on the AVX2 stand-in; 0.091
+    and 0.108 with 4-bit ones, whose products round their inputs to 8 bits, so a difference crosses more boundaries).
+    The logits: flips move a few elements by one step where int8's
+    rounding moves every element by up to half a step, so the step is no further from the reference than the reference
+    is from fp32 K/V, plus what the step and the modules differ by over fp32 K/V (measured, plain weights: 0.15 against
+    0.53 + 0.0001, AVX2 stand-in 0.22; 4-bit weights, whose 8-bit inputs round again wherever a difference reaches
+    them: 1.32 against 1.28 + 0.66, AVX2 stand-in 1.30 against 1.28 + 0.76)."""
+    import minfer.cpu_step as cpu_step
+    from minfer.cpu_kernels import fuse_cpu_ops
+    from minfer.model import load_model
+    from minfer.awq import load_awq_model
+    from minfer.kvquant import QuantizedCpuAttention
+    if not cpu_step.cpu_step_available(): pytest.skip("no C++ compiler with OpenMP to build the step kernels")
+    if weights == "plain":
+        load = lambda: fuse_cpu_ops(load_model(model_dir, "float32"))
+    else:
+        load = lambda: fuse_cpu_ops(load_awq_model(request.getfixturevalue("rtn_folder"), "float32"))
+    step, modules = cpu_step.fuse_decode_step(load()), load()
+    calls, call = [], cpu_step.step_call
+    monkeypatch.setattr(cpu_step, "step_call", lambda kernel, *a, **kw: calls.append(kernel[0]) or call(kernel, *a, **kw))
+    prompts = [tokenizer.encode(t) for t in STEP_PROMPTS]
+    feed = torch.tensor(tokenizer.encode(" is a small town in the north of the country"))[:, None].expand(-1, 3)
+    pool = lambda: QuantizedKVCache(modules.cfg, 24, 16, torch.float32, kv_dtype="int8")
+    step_pool, ref_pool = pool(), pool()
+    got = decode_over(step, step_pool, QuantizedCpuAttention, prompts, feed)
+    assert calls == [f"{step.step_kernel[0]}_kv8"] * len(feed)  # every decode step one call; prefills: the modules
+    want = decode_over(modules, ref_pool, PagedAttention, prompts, feed)
+    fp32 = decode_over(modules, PagedKVCache(modules.cfg, 24, 16, torch.float32), PagedAttention, prompts, feed)
+    for codes, scales, ref_codes, ref_scales in ((step_pool.k, step_pool.k_scale, ref_pool.k, ref_pool.k_scale),
+                                                 (step_pool.v, step_pool.v_scale, ref_pool.v, ref_pool.v_scale)):
+        off = (codes[0].int() - ref_codes[0].int()).abs()  # layer 0: the quantizer itself
+        assert off.max() <= 1 and off.bool().float().mean() < 1e-3, (off.max(), off.bool().float().mean())
+        assert torch.allclose(scales[0], ref_scales[0], rtol=1e-5, atol=0), ((scales[0] - ref_scales[0]) / ref_scales[0]).abs().max()
+        values, ref = codes.float() * scales[..., None], ref_codes.float() * ref_scales[..., None]
+        drift = ((values - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)).max().item()
+        assert drift <= drift_bound, drift
+    # what the step and the modules already differ by over fp32 K/V (4-bit weights: their 8-bit inputs' roundings)
+    from minfer.cpu_kernels import CpuAttention
+    apart = (decode_over(step, PagedKVCache(modules.cfg, 24, 16, torch.float32), CpuAttention, prompts, feed) - fp32)
+    err, int8_effect, apart = (got - want).abs().max().item(), (want - fp32).abs().max().item(), apart.abs().max().item()
+    print(f"{weights}: logits {err:.3f} from the reference, which is {int8_effect:.3f} from fp32 K/V; the step "
+          f"{apart:.3f} from the modules over fp32 K/V; drift {drift:.3f}")
+    assert err <= int8_effect + apart, (err, int8_effect, apart)
+
+
+def test_the_int8_step_has_a_twin_of_every_weight_formats_step():
+    "Each weight format's step kernel (05c, 08a, 08c) is built again over an int8 pool; fp8 has no step reader."
+    from minfer.cpu_step import STEP_POOLS, cpu_step_available
+    from minfer.kvquant import KV8_STEPS, _step_refuses_format
+    if not cpu_step_available(): pytest.skip("no C++ compiler with OpenMP to build the step kernels")
+    cache = QuantizedKVCache(CFG, 2, 4, kv_dtype="int8")
+    for name in KV8_STEPS:
+        kernel, table = STEP_POOLS["int8"].kernel((name, None), cache, torch.float32)
+        assert kernel == f"{name}_kv8" and (kernel, torch.float32) in table and (kernel, torch.bfloat16) in table
+    assert STEP_POOLS["int8"].kernel(("a_step_built_nowhere", None), cache, torch.float32) is None
+    assert "fp8" not in STEP_POOLS
+    assert "not kv_dtype='fp8'" in _step_refuses_format(SimpleNamespace(kernels="step", kv_dtype="fp8"))
+
+
+def test_llm_with_int8_kv_runs_the_one_call_step_with_the_references_tokens(model_dir, model, tokenizer):
+    """`LLM(model, kv_dtype="int8")` with its default kernels runs the one-call step (its clock moves), and both it and
+    chapter 09's per-layer path (kernels='cpu') give the greedy tokens of the fp32 reference (the model over an int8
+    pool read by chapter 03's attention, `kv_logprobs`), on prompts where that reference has no near-tie: every top-2
+    gap above test_engine's int8 bound (what a code flip moved a gap by)."""
+    from minfer.llm import LLM
+    from minfer.sequence import SamplingParams
+    from minfer.kvquant import kv_logprobs
+    from minfer.cpu_step import StepLlama, cpu_step_available
+    from test_engine import NEAR_TIE
+    if not cpu_step_available(): pytest.skip("no C++ compiler with OpenMP to build the step kernels")
+    n, texts = 10, STEP_PROMPTS[:2]
+    want = {}
+    for t in texts:
+        ids, out = tokenizer.encode(t), []
+        for _ in range(n):
+            logprobs = kv_logprobs(model, ids + out + [0], "int8", len(ids) + len(out) + 1)[-1]
+            top2 = logprobs.topk(2).values
+            assert top2[0] - top2[1] > NEAR_TIE["int8"], (t, out)  # the prompts are chosen so
+            out.append(int(logprobs.argmax()))
+        want[t] = out
+    p = SamplingParams(max_tokens=n, ignore_eos=True)
+    step = LLM(model_dir, kv_dtype="int8")
+    assert (step.kernels, step.attention) == ("step", "cpu") and isinstance(step.model, StepLlama)
+    step.model.timings = clock = torch.zeros(5, dtype=torch.float64)
+    per_layer = LLM(model_dir, kv_dtype="int8", kernels="cpu")
+    for llm in (step, per_layer):
+        for t, o in zip(texts, llm.generate(texts, p, raw=True)):
+            assert o.token_ids == want[t], (llm.kernels, t, o.token_ids, want[t])
+    assert clock.sum() > 0  # the int8 pool's decode steps were one call each

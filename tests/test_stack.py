@@ -27,6 +27,8 @@ def test_each_attack_is_on_where_the_stack_says():
     # the 4-bit codes read by the one-call step: chapter 08a's kernels loaded by minfer.stack itself
     assert int4["weights"] == "awq-int4" and int4["kernels"] == "step"
     assert int8["kv_dtype"] == "int8" and spec["speculative"] == "ngram" and spec["kv_dtype"] == "int8"
+    # the int8 pool read by the one-call step beside the 4-bit codes (chapter 09's `STEP_POOLS` entry)
+    assert int8["kernels"] == "step" and spec["kernels"] == "step"
 
 
 def test_cost_per_million_tokens():
