@@ -31,6 +31,7 @@ from bench_decode import machine
 from bench_speculative import workloads
 
 CONFIGS = {"none": None, "ngram adaptive": {"method": "ngram", "num_speculative_tokens": 8, "adaptive": True},
+           "eagle": {"method": "eagle"},  # as a user turns it on: the switch's defaults (k = 4, adaptive)
            **{f"eagle k={k}": {"method": "eagle", "num_speculative_tokens": k, "adaptive": False} for k in (2, 3, 4)},
            "eagle adaptive": {"method": "eagle", "num_speculative_tokens": 6, "adaptive": True},
            # chapter 10a's draft model: with the default target, its AWQ-int4 copy (`minfer quantize`), as large as the
