@@ -79,7 +79,10 @@ void rms_norm(T* x, const T* residual, const T* weight, T* out, int64_t rows, in
       for (int64_t i = 0; i < n; ++i) xr[i] = N::store(N::load(xr[i]) + N::load(residual[r * n + i]));
     double sum_sq = 0;  // double: the sum of 576+ squares, without caring about summation order
 #pragma omp simd reduction(+ : sum_sq)
-    for (int64_t i = 0; i < n; ++i) { double v = N::load(xr[i]); sum_sq += v * v; }
+    for (int64_t i = 0; i < n; ++i) {
+      double v = N::load(xr[i]);
+      sum_sq += v * v;
+    }
     const float inv_rms = 1.0f / std::sqrt((float)(sum_sq / n) + eps);
     for (int64_t i = 0; i < n; ++i) out[r * n + i] = N::store(N::load(weight[i]) * N::round(N::load(xr[i]) * inv_rms));
   }
