@@ -24,8 +24,11 @@ DEV = "cuda" if CUDA else "cpu"
 gpu = pytest.mark.gpu
 
 
-TRITON_CASES = {  # (M, K, N, group size, block_n, block_k): N not a multiple of the tile, one row, group > block_k
+# (M, K, N, group size, block_n, block_k): one row; more rows than a short tile holds (a tall tile, rows masked);
+# N not a multiple of the tile; group > block_k
+TRITON_CASES = {
     "one-row": (1, 128, 64, 32, 32, 16),
+    "tall": (40, 128, 64, 32, 32, 16),
     "ragged-n": (5, 192, 40, 64, 32, 32),
     "group-128": (3, 256, 48, 128, 32, 64),
 }

@@ -6,7 +6,9 @@
 #   bash tools/gpu_check.sh        # results in $OUT (the device tool's folder), else ./gpu-results
 #
 # tests/test_cuda_engine.py needs only the default model's tokenizer files (carry data/models/smollm2-135m-instruct/
-# tokenizer.json and tokenizer_config.json). The one test that needs the real model (Triton vs PyTorch greedy tokens)
+# tokenizer.json and tokenizer_config.json; benchmarks/bench_cuda.py its config.json too). `from minfer import LLM`
+# loads every chapter, and the GPU image lacks some of their pure-Python dependencies (fastcore, fastapi and its
+# dependencies, uvicorn, gguf, llguidance): carry them as wheels (the device tool's README says how). The one test that needs the real model (Triton vs PyTorch greedy tokens)
 # runs only if data/models/ holds the converted default model; it does not travel in one call (the GGUF is 94 MB), so
 # without it that test is deselected.
 set -u -o pipefail
@@ -28,4 +30,7 @@ for f in kernels/*.py; do
     echo "== $f"
     "$py" "$f" 2>&1 | tee "$out/$(basename "$f" .py).txt" || status=1
 done
+# the engine end to end: random weights of the default model's shape, so only its config and tokenizer files travel
+echo "== benchmarks/bench_cuda.py"
+"$py" benchmarks/bench_cuda.py --out "$out/bench_cuda.txt" 2>&1 | grep -v -E "Loading|Writing|prompts:" || status=1
 exit $status
