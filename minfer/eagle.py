@@ -25,7 +25,7 @@ from .naive import PackedCausal
 from .gguf import default_model_dir
 from .paged import ATTENTION_BACKENDS, PagedKVCache, BlockTable, OutOfBlocks, build_batch_meta
 from .sequence import SamplingParams
-from .speculative import SPECULATORS, Speculator, Draft
+from .speculative import SPECULATORS, Speculator, Draft, pass_line
 from .step_times import median_seconds
 from .cli import COMMANDS, Command
 from .llm import LLM
@@ -415,18 +415,33 @@ class EagleProposer:
                                           mlp.gate_up_proj, mlp.down_proj)], None, self.head.lm_head.weight)
             self.step_cfg = replace(self.head.cfg, vocab_size=self.head.lm_head.out_features)
 
-    def pass_seconds(self, at=200):
-        """What a pass of guessing takes on this machine (for adaptive k, chapter 10a): a one-row head pass at
-        position `at`, its blocks taken from the head's pool and given back."""
+    def guessing_seconds(self, at=200):
+        """What guessing takes on this machine (for adaptive k, chapter 10a's `pass_line`): head passes of 1 and 16
+        rows (a sequence's re-run up to position `at`; rows of several sequences cost the same), their blocks taken
+        from the head's pool and given back."""
         dev, dtype = self.head.fc.weight.device, self.head.fc.weight.dtype
         table = BlockTable(self.cache.allocator)
         table.append_slots(at + 1)
-        tokens, positions = torch.zeros(1, dtype=torch.long, device=dev), torch.tensor([at], device=dev)
-        features = torch.zeros(1, self.hidden, dtype=dtype, device=dev)
+        def time_pass(rows):
+            positions = torch.arange(at + 1 - rows, at + 1, device=dev)
+            tokens = torch.zeros(rows, dtype=torch.long, device=dev)
+            features = torch.zeros(rows, self.hidden, dtype=dtype, device=dev)
+            entries = [(table, p, 1) for p in positions.tolist()]
+            return median_seconds(lambda: self._head(entries, tokens, features, positions))
         try:
-            return median_seconds(lambda: self._head([(table, at, 1)], tokens, features, positions))
+            return pass_line(time_pass)
         finally:
             table.free()
+
+    def _start(self, seq):
+        """The first position of `seq` that its next head pass re-runs: the first without the target's feature in the
+        head's KV, at most `history` back, its last computed position at the latest."""
+        st, n = self.states.get(seq.id), seq.num_computed
+        return max(min(st.held if st else 0, n - 1), n - self.history)
+
+    def catch_up_rows(self, seq):
+        "Rows a head pass re-runs for `seq` before its first guess (for adaptive k): `_start` up to position n - 1."
+        return seq.num_computed - 1 - self._start(seq)
 
     def _state(self, seq):
         if seq.id not in self.states:
@@ -487,8 +502,7 @@ class EagleProposer:
         target's feature to position n - 1 (n = tokens the target has computed), its table grown for k - 1 more
         guesses; None if the head's pool is full. Features of positions it no longer needs are dropped."""
         st, n = self._state(seq), seq.num_computed
-        # at least one row (its prediction is the first guess), at most the history (no row reads further back)
-        start = max(min(st.held, n - 1), n - self.history)
+        start = self._start(seq)  # at least one row (its prediction is the first guess), at most the history
         st.table.truncate(min(start, st.table.num_tokens))
         try:
             st.table.append_slots(n + k - 1 - st.table.num_tokens)

@@ -7,7 +7,7 @@ Docs: https://minfer.github.io/minfer/speculative.html.md"""
 # %% auto #0
 __all__ = ['PRIOR_ALPHA', 'PRIOR_WEIGHT', 'SPECULATORS', 'ngram_propose', 'Draft', 'NgramProposer', 'rejection_sample',
            'expected_tokens', 'speculation_lengths', 'RequestGuesses', 'count_verify', 'acceptance_rate',
-           'SpeculativeConfig', 'speculative_config', 'processed_rows', 'Speculator', 'NgramSpeculator',
+           'SpeculativeConfig', 'speculative_config', 'processed_rows', 'Speculator', 'NgramSpeculator', 'pass_line',
            'DraftProposer', 'DraftSpeculator']
 
 # %% ../nbs/10a_speculative.ipynb #ec3acfc9
@@ -55,9 +55,14 @@ class NgramProposer:
     def __init__(self, config, engine=None):
         self.config = config
 
-    def pass_seconds(self):
-        "What a pass of guessing for every sequence takes on this machine (for adaptive k): nothing, next to a step."
-        return 0.0
+    def guessing_seconds(self):
+        """What guessing takes on this machine (for adaptive k): (seconds a pass takes whatever its rows, seconds
+        each row of a pass adds): nothing, next to a step."""
+        return 0.0, 0.0
+
+    def catch_up_rows(self, seq):
+        "Rows a pass must re-run for `seq` before its first guess (for adaptive k): none, there is no model."
+        return 0
 
     def propose(self, seqs, ks):
         "-> a `Draft` of up to k guesses per sequence (none where no suffix matches)."
@@ -100,29 +105,34 @@ def expected_tokens(alpha, k):
     "Tokens per target pass with k guesses each accepted with probability alpha (i.i.d.): 1 + alpha + ... + alpha^k."
     return float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
 
-def speculation_lengths(alphas, caps, curve=STEP_TIMES, pass_cost=0.0):
+def speculation_lengths(alphas, caps, curve=STEP_TIMES, pass_cost=0.0, row_cost=0.0, catch_up=None):
     """Adaptive k for a whole decode step at once: alphas[i] is sequence i's acceptance rate, caps[i] the most guesses
     it may take. Guess j of sequence i adds alphas[i]^j expected tokens (it counts only if guesses 1..j-1 were right)
     and one row to the step; guesses are ranked by that gain across the batch, and the step keeps the number of the
     best ones that makes the most expected tokens per unit of step time on `curve`. -> k per sequence (0: no guesses).
     A batch of one is the classic per-request rule; in a batch of B a row slows a step that makes B tokens, so each
-    guess must buy more. `pass_cost`: what making the guesses costs, in one-row steps per guessing pass, where every
-    sequence's j-th guess comes from pass j (a draft model's or a head's step); 0: guesses that cost nothing next to a
-    step (prompt lookup). A step that guesses d deep pays d passes, so the best of every depth is weighed."""
+    guess must buy more. Guesses from a model (a draft model's or a head's steps) cost their passes too, in one-row
+    target steps: every sequence's j-th guess comes from pass j, which costs `pass_cost` whatever its rows and
+    `row_cost` more per row: one row per guess, and before sequence i's first guess the `catch_up[i]` rows its
+    proposer re-runs (the tokens accepted since it last ran for it). 0: guesses that cost nothing next to a step
+    (prompt lookup). A step that guesses d deep pays d passes, so the best of every depth is weighed."""
     most = max(caps, default=0)
+    catch_up = catch_up or [0] * len(alphas)
     times = step_time(len(alphas) + np.arange(len(alphas) * most + 1), curve)  # times[n]: the step with n guesses
     best, best_rate = [], len(alphas) / times[0]
     for depth in range(1, most + 1) if pass_cost else [most]:  # without a pass cost the deepest choice is best
-        gains = sorted(((a ** j, i) for i, (a, cap) in enumerate(zip(alphas, caps))
+        # a sequence's guesses in order (-j: at an equal gain its earlier guess first): a first guess comes first
+        gains = sorted(((a ** j, -j, i) for i, (a, cap) in enumerate(zip(alphas, caps))
                         for j in range(1, min(cap, depth) + 1)), reverse=True)
-        tokens = float(len(alphas))
-        for n, (gain, _) in enumerate(gains, 1):
+        tokens, pass_rows = float(len(alphas)), 0
+        for n, (gain, minus_j, i) in enumerate(gains, 1):
             tokens += gain
-            rate = tokens / (times[n] + pass_cost * depth)
+            pass_rows += 1 + (catch_up[i] if minus_j == -1 else 0)
+            rate = tokens / (times[n] + pass_cost * depth + row_cost * pass_rows)
             if rate > best_rate:
                 best, best_rate = gains[:n], rate
     ks = [0] * len(alphas)
-    for _, i in best:
+    for *_, i in best:
         ks[i] += 1
     return ks
 
@@ -310,11 +320,16 @@ class Speculator(Lookahead):
         "config: a resolved `SpeculativeConfig`; engine: the `LLMEngine` whose sequences it guesses for."
         self.config, self.proposer = config, self.proposer_class(config, engine)
         self.requests = {}  # sequence id -> its `RequestGuesses`, from its first guess until it finishes
-        # adaptive k weighs rows and guessing passes by what they cost on this machine: measured once, then cached
-        self.curve, self.pass_cost = STEP_TIMES, 0.0
+        # adaptive k weighs rows and guessing passes by what they cost on this machine, in one-row target steps: the
+        # curve measured once, then cached; a proposer's passes timed when it is built, beside a one-row target step
+        # (the fastest of three: other work on the machine changes their ratio less than either time)
+        self.curve, self.pass_cost, self.row_cost = STEP_TIMES, 0.0, 0.0
         if config.adaptive:
-            self.curve, one_row_seconds = machine_step_times(engine.runner)
-            self.pass_cost = self.proposer.pass_seconds() / one_row_seconds
+            self.curve = machine_step_times(engine.runner)[0]
+            pass_seconds, row_seconds = self.proposer.guessing_seconds()
+            if pass_seconds or row_seconds:
+                one_row_seconds = min(time_decode_step(engine.runner, 1, 1) for _ in range(3))
+                self.pass_cost, self.row_cost = pass_seconds / one_row_seconds, row_seconds / one_row_seconds
 
     def request(self, seq):
         "`seq`'s `RequestGuesses`, made at first use."
@@ -363,14 +378,16 @@ class Speculator(Lookahead):
         "Adaptive k: how many guesses each of `seqs` takes this step (at most `caps`), for the whole batch at once."
         # before its first verify a request is assumed to accept 60% of its guesses; that verify replaces the guess
         alphas = [acceptance_rate(self.request(s)) for s in seqs]
-        # a proposer whose guesses are model steps (`pass_cost`, in one-row target steps per pass) has them weighed in
-        ks = speculation_lengths(alphas, caps, self.curve, self.pass_cost)
+        # a proposer whose guesses are model steps has its passes weighed in, and the rows it must re-run first
+        catch_up = [self.proposer.catch_up_rows(s) for s in seqs]
+        costs = (self.curve, self.pass_cost, self.row_cost, catch_up)
+        ks = speculation_lengths(alphas, caps, *costs)
         # where the rule says no, every 16 tokens a one-guess probe, so acceptance can come back: if that prior rate
         # would earn it a guess in this step (alone, yes; in a batch whose extra rows cost more than 0.6 tokens, no)
         probe = [k == 0 and len(s.output_ids) % 16 == 0 for s, k in zip(seqs, ks)]
         if any(probe):
-            hopeful = speculation_lengths([PRIOR_ALPHA if p else a for p, a in zip(probe, alphas)], caps,
-                                          self.curve, self.pass_cost)
+            hopes = [PRIOR_ALPHA if p else a for p, a in zip(probe, alphas)]
+            hopeful = speculation_lengths(hopes, caps, *costs)
             ks = [min(1, h) if p else k for p, h, k in zip(probe, hopeful, ks)]
         return ks
 
@@ -425,6 +442,15 @@ REQUEST_METRICS.register("acceptance_rate", "guesses the target model kept / gue
                                             "no guess verified")
 
 # %% ../nbs/10a_speculative.ipynb #ff55fdf6
+def pass_line(time_pass, rows=(1, 16), tries=3):
+    """(seconds a guessing pass takes whatever its rows, seconds each row adds to it) on this machine: the straight
+    line through `time_pass(r)`, the seconds of a pass of r rows, at the two `rows`, each the fastest of `tries`
+    (other work on the machine only ever slows a pass)."""
+    few, many = rows
+    t_few, t_many = (min(time_pass(r) for _ in range(tries)) for r in rows)
+    per_row = max(0.0, (t_many - t_few) / (many - few))
+    return max(0.0, t_few - per_row * few), per_row
+
 class DraftProposer:
     """Guesses from a small model of the same vocabulary, its KV in a paged pool of its own (chapter 03's machinery).
     Per sequence it remembers which tokens its KV holds; each `propose` first catches up on what the target accepted
@@ -449,13 +475,25 @@ class DraftProposer:
         last = torch.tensor(np.cumsum([len(x) for _, _, x in work]) - 1, device=dev)
         return self.model(tokens, positions, self.attn.bind(meta), logits_rows=last)
 
+    def _start(self, seq):
+        """The first position of `seq` that its next draft pass computes: where the tokens its draft KV holds stop
+        agreeing with the sequence (0 for a sequence it has not seen), its last token at the latest."""
+        table, held = self.tables.get(seq.id) or (None, [])
+        ids = seq.token_ids
+        same = next((i for i, (a, b) in enumerate(zip(held, ids)) if a != b), min(len(held), len(ids)))
+        return min(same, table.num_tokens if table else 0, len(ids) - 1)
+
+    def catch_up_rows(self, seq):
+        "Rows a draft pass re-runs for `seq` before its first guess (for adaptive k): `_start` up to its last token."
+        return len(seq.token_ids) - 1 - self._start(seq)
+
     def _catch_up(self, seq, k):
         """-> (table, first position to compute) for `seq` in the draft's pool, its table cut back to the tokens that
         still agree with the sequence and grown for k guesses; None if the draft's pool is full."""
-        table, held = self.tables.get(seq.id) or (BlockTable(self.cache.allocator), [])
+        cut = self._start(seq)
+        table, _ = self.tables.get(seq.id) or (BlockTable(self.cache.allocator), [])
         ids = seq.token_ids
-        same = next((i for i, (a, b) in enumerate(zip(held, ids)) if a != b), min(len(held), len(ids)))
-        table.truncate(min(same, table.num_tokens, len(ids) - 1))
+        table.truncate(cut)
         self.tables[seq.id] = (table, ids[:table.num_tokens])
         start = table.num_tokens
         try:
@@ -465,9 +503,10 @@ class DraftProposer:
         self.tables[seq.id] = (table, ids)
         return table, start
 
-    def pass_seconds(self):
-        "What a pass of guessing takes on this machine (for adaptive k): a one-row step of the draft model."
-        return time_decode_step(ModelRunner(self.model, self.cache, self.attn), 1, 1)
+    def guessing_seconds(self):
+        "What guessing takes on this machine (for adaptive k): draft steps of 1 and 16 sequences (`pass_line`)."
+        runner = ModelRunner(self.model, self.cache, self.attn)
+        return pass_line(lambda rows: time_decode_step(runner, rows, 1))
 
     def propose(self, seqs, ks):
         live = {s.id for s in seqs}

@@ -188,6 +188,24 @@ def test_head_reads_its_history(model_dir, plain, tiny_head, monkeypatch):
         torch.testing.assert_close(g[0], want, atol=2e-3, rtol=1e-3)
 
 
+def test_catch_up_rows_are_the_rows_a_pass_reruns(model_dir, tiny_head):
+    """Adaptive k prices a sequence's first guess by the positions the head re-runs first: after the prompt, the
+    prompt's last `history` positions less the guess's own row; right after a re-run, none."""
+    spec = LLM(model_dir, speculative={"method": "eagle", "model": tiny_head, "num_speculative_tokens": 2,
+                                       "adaptive": False}, **SMALL)
+    seq = Sequence(spec.tokenizer.encode(PROMPTS[4]), SamplingParams(max_tokens=8, ignore_eos=True), spec.tokenizer)
+    spec.engine.add(seq)
+    while not seq.output_ids:
+        spec.engine.step()  # the prompt: its features filed, no guess yet
+    proposer, n = spec.engine.lookahead.proposer, seq.num_computed
+    rows = proposer.catch_up_rows(seq)
+    assert rows == min(n, proposer.history) - 1
+    with torch.inference_mode():
+        _, start, tokens, _ = proposer._catch_up(seq, 1)
+    assert len(tokens) == n - start == rows + 1
+    assert proposer.catch_up_rows(seq) == 0
+
+
 def test_head_keeps_the_features_of_its_history_only(model_dir, plain, tiny_head, monkeypatch):
     """The target's features are filed after every pass, but no re-run reads further back than the history: a sequence
     holds at most the history's (and one more), after its prompt and while it decodes with or without guesses."""

@@ -188,10 +188,11 @@ def test_speculation_lengths_is_the_best_choice():
     rng = random.Random(0)
     for i in range(400):
         batch, pass_cost = rng.randint(1, 4), 0.0 if i % 2 else rng.uniform(0.0, 0.3)
+        row_cost = 0.0 if i % 3 else rng.uniform(0.0, 0.1)
         alphas, caps = [rng.random() for _ in range(batch)], [rng.randint(0, 4) for _ in range(batch)]
         rate = lambda ks: (sum(expected_tokens(a, k) for a, k in zip(alphas, ks))
-                           / (step_time(batch + sum(ks)) + pass_cost * max(ks)))
-        ks = speculation_lengths(alphas, caps, pass_cost=pass_cost)
+                           / (step_time(batch + sum(ks)) + pass_cost * max(ks) + row_cost * sum(ks)))
+        ks = speculation_lengths(alphas, caps, pass_cost=pass_cost, row_cost=row_cost)
         assert all(0 <= k <= c for k, c in zip(ks, caps))
         assert rate(ks) == pytest.approx(max(rate(c) for c in itertools.product(*[range(c + 1) for c in caps])))
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
@@ -205,6 +206,20 @@ def test_speculation_lengths_see_the_batch():
     assert ks[0] >= 2 and ks[1:] == [0] * 7
     # guesses that cost a model pass each go less deep: alone at 0.35, an EAGLE head's 6% of a step per pass
     assert speculation_lengths([0.35], [6]) == [3] and speculation_lengths([0.35], [6], pass_cost=0.06) == [2]
+
+def test_a_first_guess_pays_for_the_rows_its_proposer_reruns():
+    """A head or draft that has not run for a sequence since its prompt (or a stretch without guesses) re-runs those
+    positions before its first guess: rows that pays for. At batch 8 guesses of 0.9 pay on the chapter's curve; when
+    each sequence's first guess must first re-run 48 positions, none does. Alone at 0.3 a guess pays, not after a
+    48-row re-run; at 0.5 it pays even then."""
+    costs = dict(pass_cost=0.03, row_cost=0.012)
+    assert sum(speculation_lengths([0.9] * 8, [4] * 8, **costs)) > 0
+    assert speculation_lengths([0.9] * 8, [4] * 8, **costs, catch_up=[48] * 8) == [0] * 8
+    mixed = speculation_lengths([0.9] * 8, [4] * 8, **costs, catch_up=[48] + [0] * 7)
+    assert mixed[0] == 0 and sum(mixed[1:]) > 0  # the guesses go to the sequences that need no re-run
+    assert speculation_lengths([0.3], [4], **costs)[0] > 0
+    assert speculation_lengths([0.3], [4], **costs, catch_up=[48]) == [0]
+    assert speculation_lengths([0.5], [4], **costs, catch_up=[48])[0] > 0
 
 def test_adaptive_greedy_equals_plain(model_dir):
     plain, spec = LLM(model_dir), LLM(model_dir, speculative={"method": "ngram", "num_speculative_tokens": 8,
@@ -224,7 +239,7 @@ def test_adaptive_k_reads_this_machines_curve_measured_once(model_dir, tmp_path,
     monkeypatch.setenv("MINFER_HOME", str(tmp_path))
     llm = LLM(model_dir, speculative="ngram")  # named alone: adaptive
     spec = llm.engine.lookahead
-    assert llm.config.speculative.adaptive and spec.pass_cost == 0.0
+    assert llm.config.speculative.adaptive and spec.pass_cost == spec.row_cost == 0.0
     table = json.loads((tmp_path / "step_times.json").read_text())
     [(key, entry)] = table.items()
     assert key.startswith(st.machine_name(torch.device("cpu"))) and st.runner_signature(llm.engine.runner) in key
@@ -246,11 +261,15 @@ def test_adaptive_k_reads_this_machines_curve_measured_once(model_dir, tmp_path,
     assert fixed.curve == st.STEP_TIMES and not fixed.config.adaptive
 
 
-def test_a_draft_pass_costs_what_it_takes_here(model_dir):
-    """A draft model's pass, timed: the target as its own draft costs about one target step. (Loose bounds: the step
-    in the table may have been timed under another load than this pass; the byte share would also say 1 here.)"""
+def test_a_draft_pass_costs_what_it_takes_here(model_dir, tokenizer):
+    """A draft model's one-row pass, timed: the target as its own draft costs about one target step. (Loose bounds:
+    the step in the table may have been timed under another load than this pass; the byte share would also say 1.)
+    Before its first guess for a sequence it has not seen, the draft re-runs the whole sequence but its last token."""
     llm = LLM(model_dir, speculative={"method": "draft", "model": str(model_dir), "num_speculative_tokens": 2})
-    assert 0.25 < llm.engine.lookahead.pass_cost < 4.0
+    spec = llm.engine.lookahead
+    assert 0.25 < spec.pass_cost + spec.row_cost < 4.0 and spec.row_cost >= 0
+    seq = Sequence(tokenizer.encode("The capital of France is"), SamplingParams())
+    assert spec.proposer.catch_up_rows(seq) == len(seq.token_ids) - 1
 
 
 # ---- draft model -----------------------------------------------------------------------------------------------
@@ -337,13 +356,15 @@ def test_a_probe_comes_where_the_prior_rate_would_earn_a_guess():
     class Recorder:
         cheap = False
         def __init__(self): self.ks = None
+        def catch_up_rows(self, seq):
+            return 0
         def propose(self, seqs, ks):
             self.ks = ks
             return [Draft([]) for _ in seqs]
     def probed(batch):
         spec = Speculator.__new__(Speculator)
         spec.config, spec.proposer, spec.requests = SpeculativeConfig(method="ngram", adaptive=True), Recorder(), {}
-        spec.curve, spec.pass_cost = STEP_TIMES, 0.0  # the curve the test's numbers were worked out on
+        spec.curve, spec.pass_cost, spec.row_cost = STEP_TIMES, 0.0, 0.0  # the curve the test's numbers assume
         seqs = []
         for _ in range(batch):
             s = Sequence([1, 2, 3], SamplingParams(max_tokens=64))
