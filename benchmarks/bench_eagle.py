@@ -23,6 +23,7 @@ from pathlib import Path
 from minfer import LLM  # every chapter loaded: its weight formats, kernels and switches
 from minfer.sequence import SamplingParams
 from minfer.speculative import SPECULATORS, speculative_config
+from minfer.step_times import machine_step_times
 from minfer.eagle import default_head_dir
 from minfer.trees import tree_depths, TreeDraft
 
@@ -72,6 +73,19 @@ class Probe:
     def reset(self): self.made, self.kept, self.seconds, self.guesses, self.calls = {}, {}, 0.0, 0, 0
     def per_depth(self): return [round(self.kept.get(j, 0) / n, 3) for j, n in sorted(self.made.items())]
 
+def calibration_lines(llm, speculators):
+    """What adaptive k read on this machine (chapter 10's curve, as cached; each adaptive speculator's pass and row
+    costs, timed when it was built), as record lines."""
+    curve, one_row = machine_step_times(llm.engine.runner)
+    lines = [f"- calibration (what adaptive k reads): the verify-step curve, rows: time in one-row steps (one row "
+             f"{one_row * 1e3:.1f} ms when the curve was measured): " + ", ".join(f"{r}: {t:.2f}" for r, t in curve)]
+    for name, sp in speculators.items():
+        if sp is not None and sp.config.adaptive:
+            lines.append(f"- calibration of '{name}': a guessing pass {sp.pass_cost:.3f} one-row steps whatever its "
+                         f"rows, {sp.row_cost:.4f} a row; a first guess after 16 tokens without one re-runs 16 "
+                         f"positions: {sp.pass_cost + 17 * sp.row_cost:.3f}")
+    return lines
+
 def run(llm, prompts, batch, params):
     "-> (generated tokens, seconds, outputs): prompts in groups of `batch`, each group one `generate` call."
     t, outs = time.perf_counter(), []
@@ -116,6 +130,7 @@ def main(argv=None):
         speculators[name] = None if spec is None else SPECULATORS[spec.method](spec, host.engine)
         if speculators[name] is not None: probes[name] = Probe(speculators[name])
     configs = {name: c for name, c in configs.items() if name in speculators}
+    print("\n".join(calibration_lines(llm, speculators)), flush=True)
     work = workloads()
     cases = [(w, b) for w in work for b in (1, 8)]
     times = {(c, w, b): [] for c in configs for w, b in cases}
@@ -158,6 +173,7 @@ def main(argv=None):
             rows.append(dict(workload=w, batch=b, config=name, tok_s=statistics.median(v),
                              speedup=statistics.median(ratios), per_repeat=ratios, **stats[(name, w, b)]))
     head_config = json.loads((default_head_dir() / "config.json").read_text())
+    calibration = calibration_lines(llm, speculators)
     title = "EAGLE chains against token trees" if a.trees else "EAGLE against plain decoding and prompt lookup"
     lines = [f"# {title}, medians of {a.repeats} alternating runs", "",
              f"- date: {datetime.datetime.now():%Y-%m-%d %H:%M}",
@@ -191,6 +207,7 @@ def main(argv=None):
              *(["- draft rows: chapter 10a's draft model, the target's AWQ-int4 copy (`minfer quantize`), as large as "
                 "the target; their 'head ms / guess' is the draft model's"]
                if any(n.startswith("draft") for n in configs) else []),
+             *calibration,
              "", "| workload | batch | config | tok/s | speedup | per repeat | acceptance | tokens / target pass | "
              "acceptance per depth | head ms / guess | draft ms / step |", "|---" * 11 + "|"]
     for r in rows:

@@ -6,12 +6,12 @@ Docs: https://minfer.github.io/minfer/speculative.html.md"""
 
 # %% auto #0
 __all__ = ['PRIOR_ALPHA', 'PRIOR_WEIGHT', 'SPECULATORS', 'ngram_propose', 'Draft', 'NgramProposer', 'rejection_sample',
-           'expected_tokens', 'speculation_lengths', 'RequestGuesses', 'count_verify', 'acceptance_rate',
-           'SpeculativeConfig', 'speculative_config', 'processed_rows', 'Speculator', 'NgramSpeculator', 'pass_line',
-           'DraftProposer', 'DraftSpeculator']
+           'expected_tokens', 'guess_step_times', 'speculation_lengths', 'RequestGuesses', 'count_verify',
+           'acceptance_rate', 'SpeculativeConfig', 'speculative_config', 'processed_rows', 'Speculator',
+           'NgramSpeculator', 'pass_line', 'DraftProposer', 'DraftSpeculator']
 
 # %% ../nbs/10a_speculative.ipynb #ec3acfc9
-import json
+import functools, json
 import numpy as np
 import torch
 from dataclasses import dataclass, fields, replace
@@ -105,6 +105,12 @@ def expected_tokens(alpha, k):
     "Tokens per target pass with k guesses each accepted with probability alpha (i.i.d.): 1 + alpha + ... + alpha^k."
     return float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
 
+@functools.lru_cache(maxsize=256)
+def guess_step_times(batch, most, curve):
+    """The times on `curve` of a step of `batch` sequences with 0, 1, ... batch * most guesses. The engine asks before
+    every step, for the few batch sizes it runs: kept, not read off the curve again each time."""
+    return step_time(batch + np.arange(batch * most + 1), curve)
+
 def speculation_lengths(alphas, caps, curve=STEP_TIMES, pass_cost=0.0, row_cost=0.0, catch_up=None):
     """Adaptive k for a whole decode step at once: alphas[i] is sequence i's acceptance rate, caps[i] the most guesses
     it may take. Guess j of sequence i adds alphas[i]^j expected tokens (it counts only if guesses 1..j-1 were right)
@@ -118,7 +124,7 @@ def speculation_lengths(alphas, caps, curve=STEP_TIMES, pass_cost=0.0, row_cost=
     (prompt lookup). A step that guesses d deep pays d passes, so the best of every depth is weighed."""
     most = max(caps, default=0)
     catch_up = catch_up or [0] * len(alphas)
-    times = step_time(len(alphas) + np.arange(len(alphas) * most + 1), curve)  # times[n]: the step with n guesses
+    times = guess_step_times(len(alphas), most, curve)  # times[n]: the step with n guesses
     best, best_rate = [], len(alphas) / times[0]
     for depth in range(1, most + 1) if pass_cost else [most]:  # without a pass cost the deepest choice is best
         # a sequence's guesses in order (-j: at an equal gain its earlier guess first): a first guess comes first
