@@ -32,6 +32,7 @@ from bench_decode import machine
 from bench_speculative import workloads
 
 CONFIGS = {"none": None, "ngram adaptive": {"method": "ngram", "num_speculative_tokens": 8, "adaptive": True},
+           "ngram": {"method": "ngram"},  # prompt lookup as a user turns it on: the switch's defaults
            "eagle": {"method": "eagle"},  # as a user turns it on: the switch's defaults (k = 4, adaptive)
            **{f"eagle k={k}": {"method": "eagle", "num_speculative_tokens": k, "adaptive": False} for k in (2, 3, 4)},
            "eagle adaptive": {"method": "eagle", "num_speculative_tokens": 6, "adaptive": True},
