@@ -1,4 +1,4 @@
-"""The whole decode step in compiled code: no Python between matvecs that stream the weights as fast as memory allows.
+"""The whole decode step in compiled code: no Python between matvecs that stream the weights faster than PyTorch's.
 
 Docs: https://minfer.github.io/minfer/cpu_step.html.md"""
 
