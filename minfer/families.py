@@ -1,4 +1,4 @@
-"""Ten model families as small adapters over one decoder, each equal to transformers, and what each costs in bytes.
+"""Eight model families as small adapters over one decoder, each equal to transformers, and what each costs in bytes.
 
 Docs: https://minfer.github.io/minfer/families.html.md"""
 
