@@ -25,7 +25,7 @@ from .paged import (ATTENTION_BACKENDS, KV_FORMATS, attention_backend, build_bat
 from .sequence import Sequence, SamplingParams
 from .sampling import sample_next, add_prompt_logprobs
 from .sequential import SequentialEngine
-from .roofline import Ledger, kv_traffic_per_token
+from .roofline import Ledger, kv_traffic_per_token, state_bytes_per_sequence
 from .scheduler import Scheduler, Lookahead
 from .cpu_kernels import can_fuse, fuse_cpu_ops, cxx_compiler
 from .cpu_step import can_step, fuse_decode_step, STEP_PATH
@@ -145,12 +145,15 @@ class ModelRunner:
         return out
 
     def account(self, batch, n_logits):
-        "Ledger for the step, and each sequence's share: weights split evenly over the batch, plus its own KV traffic."
+        """Ledger for the step, and each sequence's share: weights split evenly over the batch, plus its own KV
+        traffic, and its state of fixed size where the model keeps one (chapter 00b's `state_bytes_per_sequence`),
+        charged as the ledger charges it: read when the sequence has one, written every step."""
         weights = self.ledger.record([n for _, n in batch], [s.num_computed for s, _ in batch], logits_rows=n_logits)
         w = weights / len(batch)
         kv_read = kv_traffic_per_token(self.model.cfg, layer_bytes=self.ledger.kv_layer_bytes)[0]
+        state = state_bytes_per_sequence(self.model.cfg, self.ledger.dtype)
         for s, n in batch:
-            s.bytes_moved += w + (s.num_computed + n) * kv_read
+            s.bytes_moved += w + (s.num_computed + n) * kv_read + state * (1 + (s.num_computed > 0))
 
 # %% ../nbs/06b_engine.ipynb #e1bb6271
 class LLMEngine:

@@ -421,7 +421,10 @@ def _format_refuses(c):
     return KV_FORMATS[c.kv_dtype].refuses(ModelConfig.from_folder(c.model))
 
 def _only_format(c):
-    "The format the folder's model runs in alone (chapter 03's `only_format`), where `c` picks another; or None."
+    """The format the folder's model runs in alone (chapter 03's `only_format`), where `c` picks another; or None.
+    kv='none' keeps no pool at all (chapter 01 recomputes the whole sequence each step): nothing to refuse."""
+    if c.kv == "none":
+        return None
     cfg = ModelConfig.from_folder(c.model)
     own = [name for name, fmt in KV_FORMATS.items() if fmt.only_format and fmt.made_for(cfg)]
     return own[0] if own and (c.kv_dtype != own[0] or c.kv != "paged") else None
@@ -431,7 +434,7 @@ KV_DTYPE_RULES = (
     Rule(("kv", "kv_dtype"), lambda c: _only_format(c) is not None,
          lambda c: f"the folder's {ModelConfig.from_folder(c.model).model_type} model runs only in "
                    f"kv_dtype={_only_format(c)!r} (its layers keep there what no other pool holds); use kv='paged' "
-                   f"and kv_dtype='auto' (got kv={c.kv!r}, kv_dtype={c.kv_dtype!r})"),
+                   f"and kv_dtype='auto', or kv='none' (got kv={c.kv!r}, kv_dtype={c.kv_dtype!r})"),
     Rule(("kv_dtype",), lambda c: _kv_dtype_runs_not(c) is not None,
          lambda c: f"kv_dtype={c.kv_dtype!r} does not run {_kv_dtype_runs_not(c)}; "
                    "use kv_dtype='int8', 'fp8' or the model's dtype"),

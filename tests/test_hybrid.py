@@ -203,6 +203,7 @@ def test_what_is_not_run_is_refused_in_one_line(tiny, key, value, words):
 @pytest.mark.parametrize("switches, words", [
     (dict(kv_dtype="float32"), "runs only in kv_dtype='hybrid'"),
     (dict(kv="contiguous"), "runs only in kv_dtype='hybrid'"),
+    (dict(kv_dtype="int8"), "runs only in kv_dtype='hybrid'"),
     (dict(speculative="ngram"), "which speculative decoding needs: its blocks carry the linear"),
     (dict(pd_split=True), "pd_split=True sends whole blocks"),
     (dict(kernels="step"), "does not run qwen3_5_text models' .*recurrent_layers"),
@@ -223,17 +224,23 @@ def test_other_models_keep_their_pools(model_dir):
     assert EngineConfig(model=model_dir, dtype="float32").resolve().kv_dtype == "float32"
 
 
-def test_the_ledger_charges_linear_layers_their_state_once_per_sequence(tiny):
-    """A prompt of n tokens, then 3 decode steps (4 tokens out). Full layers: K and V per cached token read and per new
-    token written, as any model. Linear layers: no K/V per token; their state (the rule's matrices in fp32, the
-    convolution's window in the model's dtype) read once per sequence per step that has one, written once per step."""
-    folder, _ = tiny
+def tiny_traffic():
+    """-> (K/V bytes per token, state bytes per sequence) of `tiny` in fp32, from its config's numbers: K and V in
+    each full layer; in each linear layer the rule's matrices (fp32) and the convolution's window of 4 - 1 inputs."""
     kv_heads, head_dim = 2, 16  # chapter 12a's TINY
     key_heads, value_heads, key_dim, value_dim = 2, 4, 16, 16  # BASE
     full, linear = 2, 2
     kv_per_token = full * 2 * kv_heads * head_dim * 4
     conv_window = (2 * key_heads * key_dim + value_heads * value_dim) * (4 - 1) * 4
-    state = linear * (value_heads * key_dim * value_dim * 4 + conv_window)
+    return kv_per_token, linear * (value_heads * key_dim * value_dim * 4 + conv_window)
+
+
+def test_the_ledger_charges_linear_layers_their_state_once_per_sequence(tiny):
+    """A prompt of n tokens, then 3 decode steps (4 tokens out). Full layers: K and V per cached token read and per new
+    token written, as any model. Linear layers: no K/V per token; their state (the rule's matrices in fp32, the
+    convolution's window in the model's dtype) read once per sequence per step that has one, written once per step."""
+    folder, _ = tiny
+    kv_per_token, state = tiny_traffic()
     with LLM(str(folder), dtype="float32") as llm:
         out = llm.generate(LONG, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), raw=True)[0]
         ledger = llm.engine.ledger
@@ -251,6 +258,30 @@ def test_recomputing_without_a_cache_equals_transformers(tiny):
     ids = Tokenizer(folder).encode(LONG)
     assert naive_generate(load_model(folder), ids, 8) == reference_greedy(ref, ids, 8)
 
+
+
+def test_a_request_s_bytes_count_its_state(tiny):
+    """A request's `bytes_moved` (and so its bytes per token): the weights, its K/V read and written, and its state,
+    read in each step after the first and written in each (4 steps: the prompt, then 3 decode steps), as the ledger
+    charges them; alone in the engine, the ledger's whole count."""
+    folder, _ = tiny
+    kv_per_token, state = tiny_traffic()
+    with LLM(str(folder), dtype="float32") as llm:
+        out = llm.generate(LONG, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), raw=True)[0]
+        ledger = llm.engine.ledger
+    n, sample = len(out.prompt_token_ids), out.samples[0]
+    kv = (n + n + 1 + n + 2 + n + 3) * kv_per_token  # each step's context and new token
+    want = ledger.weight_bytes + kv + (3 + 4) * state
+    assert sample.metrics["bytes_per_token"] * 4 == pytest.approx(want, rel=1e-12)
+    assert want == ledger.weight_bytes + ledger.kv_read_bytes + ledger.kv_write_bytes
+
+
+def test_no_cache_runs_in_the_engine_as_transformers(tiny):
+    "kv='none' keeps no pool, so the model's own one is not needed: `LLM` runs it, with transformers' greedy tokens."
+    folder, ref = tiny
+    with LLM(str(folder), dtype="float32", kv="none") as llm:
+        out = llm.generate(LONG, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), raw=True)[0]
+    assert out.token_ids == reference_greedy(ref, out.prompt_token_ids, 8)
 
 MROPE = dict(BASE, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                                    "mrope_section": [2, 1, 1], "mrope_interleaved": True})
