@@ -95,7 +95,7 @@ class Sequence:
     num_computed: int = field(init=False, default=0)        # tokens whose KV is written
     radix_node: object = field(init=False, default=None)    # the prefix-cache path it holds locked (chapter 04)
     forks: list = field(init=False, default_factory=list)   # further samples of its prompt, started after the prompt
-    bytes_moved: float = field(init=False, default=0.0)     # its share of the engine's bytes: weights + what it alone reads
+    bytes_moved: float = field(init=False, default=0.0)     # its share of the engine's bytes (weights + its own reads)
     # incremental detokenization: decoded up to _read, text of ids[_prefix:_read] is a settled window; handed out
     _prefix: int = field(init=False, default=0, repr=False)
     _read: int = field(init=False, default=0, repr=False)

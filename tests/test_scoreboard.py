@@ -174,7 +174,7 @@ def test_a_missing_file_is_one_line(tmp_path):
     with pytest.raises(FileNotFoundError, match="no scoreboard at"): Scoreboard.load(tmp_path / "none.json")
 
 
-H100_RECORD = re.compile(r"benchmarks/[\w.-]*[hH]100[\w.-]*\.md")
+GPU_RECORD = re.compile(r"benchmarks/[\w.-]*[hH][12]00[\w.-]*\.md")  # an H100's or an H200's
 
 
 def gpu_gaps(nb_path):
@@ -185,9 +185,9 @@ def gpu_gaps(nb_path):
     gaps, gpu = [], [i for i, s in code if s.startswith("#| gpu")]
     if gpu:
         after = next((s for i, s in code if i > gpu[-1]), "")
-        if after.startswith("#| gpu") or not H100_RECORD.search(after):
+        if after.startswith("#| gpu") or not GPU_RECORD.search(after):
             gaps.append(f"no cell after the GPU cell {gpu[-1]} reads a recorded GPU run")
-    cited = {m for c in cells if c["cell_type"] == "markdown" for m in H100_RECORD.findall("".join(c["source"]))}
+    cited = {m for c in cells if c["cell_type"] == "markdown" for m in GPU_RECORD.findall("".join(c["source"]))}
     gaps += [f"{r} is cited but no cell reads it" for r in sorted(cited) if not any(r in s for _, s in code)]
     return gaps
 
@@ -195,7 +195,7 @@ def gpu_gaps(nb_path):
 def test_gpu_claims_show_their_recorded_runs():
     gaps = {nb.name: g for nb in sorted((ROOT / "nbs").glob("*.ipynb")) if (g := gpu_gaps(nb))}
     assert not gaps, gaps
-    for record in {m for nb in (ROOT / "nbs").glob("*.ipynb") for m in H100_RECORD.findall(nb.read_text())}:
+    for record in {m for nb in (ROOT / "nbs").glob("*.ipynb") for m in GPU_RECORD.findall(nb.read_text())}:
         assert (ROOT / record).is_file(), record
 
 
