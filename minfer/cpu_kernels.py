@@ -133,25 +133,73 @@ void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t inter) {
 // go together, so each key and value is read from memory once for all of them. Keys come KEY_BLOCK at a time with an
 // online softmax, as flash-decoding does: each head keeps a running max and sum, and when a block raises the max, what
 // was summed so far is scaled by exp(old max - new max). No score list as long as the sequence, no second pass.
-constexpr int64_t KEY_BLOCK = 32, CHUNK = 16;  // CHUNK fp32 values: one AVX-512 register, two AVX2 ones
+// The arithmetic is on whole registers of CHUNK fp32 values, written with GCC's and Clang's vector types. A key's dot
+// product with a query leaves CHUNK partial sums; a block's keys are then added up together, CHUNK keys' partial sums
+// into one register of CHUNK scores (adding up one register's own lanes, key by key, would be a chain of CHUNK
+// dependent adds for every key and head: most of the kernel's time).
+#if defined(__AVX512F__)
+constexpr int64_t CHUNK = 16;  // one AVX-512 register
+#else
+constexpr int64_t CHUNK = 8;  // one AVX2 register, two NEON ones (16 lanes there, the shuffles go lane by lane)
+#endif
+constexpr int64_t KEY_BLOCK = CHUNK;  // a block's scores fill one register
+typedef float f32xC __attribute__((vector_size(CHUNK * 4)));
+typedef uint16_t u16xC __attribute__((vector_size(CHUNK * 2)));
+typedef uint32_t u32xC __attribute__((vector_size(CHUNK * 4)));
+typedef int32_t i32xC __attribute__((vector_size(CHUNK * 4)));
+#if defined(__clang__) || __GNUC__ >= 12
+#define PICK_LANES(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else  // GCC before 12 spells it its own way: lanes of a, then of b, numbered 0 .. 2 CHUNK - 1
+#define PICK_LANES(a, b, ...) __builtin_shuffle(a, b, (i32xC){__VA_ARGS__})
+#endif
 
-// a . b over d values, a in fp32: CHUNK partial sums side by side, added pairwise at the end (`omp simd reduction`
-// adds its lanes one after the other: a chain of CHUNK dependent adds for every key)
+// CHUNK values from p, as fp32 lanes
+static inline f32xC load_chunk(const float* p) {
+  f32xC x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+}
+static inline f32xC load_chunk(const bf16* p) {
+  u16xC b;
+  std::memcpy(&b, p, sizeof b);
+  return (f32xC)(__builtin_convertvector(b, u32xC) << 16);  // a bf16 is the top half of an fp32
+}
+// n <= CHUNK values from p (a query, or the tail of a head dim that is no multiple of CHUNK), the lanes past n zero
 template <typename T>
-static inline float dot(const float* a, const T* b, int64_t d) {
-  float lanes[CHUNK] = {};
-  int64_t i = 0;
-  for (; i + CHUNK <= d; i += CHUNK)
-#pragma omp simd
-    for (int64_t l = 0; l < CHUNK; ++l)
-      lanes[l] += a[i + l] * Num<T>::load(b[i + l]);
-  for (int64_t half = CHUNK / 2; half > 0; half /= 2)
-    for (int64_t l = 0; l < half; ++l)
-      lanes[l] += lanes[l + half];
-  float sum = lanes[0];
-  for (; i < d; ++i)
-    sum += a[i] * Num<T>::load(b[i]);
-  return sum;
+static inline f32xC load_chunk(const T* p, int64_t n) {
+  T padded[CHUNK] = {};
+  std::memcpy(padded, p, n * sizeof(T));
+  return load_chunk(padded);
+}
+
+// Lane j of the result: the sum of the lanes of v[j], for CHUNK registers at once (a transpose with adds). Each step
+// adds pairs of registers, half to half: after the step of width w a register holds w partial sums of each of
+// CHUNK / w keys, in key order. CHUNK - 1 adds and twice as many lane shuffles, where key by key it is CHUNK - 1 adds
+// for each key.
+static inline f32xC sum_lanes(const f32xC* v) {
+#if defined(__AVX512F__)
+  f32xC w8[8], w4[4], w2[2];
+  for (int m = 0; m < 8; ++m)
+    w8[m] = PICK_LANES(v[2 * m], v[2 * m + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+          + PICK_LANES(v[2 * m], v[2 * m + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int m = 0; m < 4; ++m)
+    w4[m] = PICK_LANES(w8[2 * m], w8[2 * m + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+          + PICK_LANES(w8[2 * m], w8[2 * m + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int m = 0; m < 2; ++m)
+    w2[m] = PICK_LANES(w4[2 * m], w4[2 * m + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
+          + PICK_LANES(w4[2 * m], w4[2 * m + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return PICK_LANES(w2[0], w2[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+       + PICK_LANES(w2[0], w2[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else  // the same steps for 8 lanes
+  f32xC w4[4], w2[2];
+  for (int m = 0; m < 4; ++m)
+    w4[m] = PICK_LANES(v[2 * m], v[2 * m + 1], 0, 1, 2, 3, 8, 9, 10, 11)
+          + PICK_LANES(v[2 * m], v[2 * m + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int m = 0; m < 2; ++m)
+    w2[m] = PICK_LANES(w4[2 * m], w4[2 * m + 1], 0, 1, 4, 5, 8, 9, 12, 13)
+          + PICK_LANES(w4[2 * m], w4[2 * m + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return PICK_LANES(w2[0], w2[1], 0, 2, 4, 6, 8, 10, 12, 14) + PICK_LANES(w2[0], w2[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
 }
 
 template <typename T>
@@ -161,6 +209,7 @@ void paged_decode(const T* q, int64_t q_stride, const T* k, int64_t k_stride, co
                   T* out, int64_t batch, int64_t n_q, int64_t n_kv, int64_t d, float scale) {
   using N = Num<T>;
   const int64_t kv_row = n_kv * d, group = n_q / n_kv;
+  const int64_t full = d / CHUNK, tail = d % CHUNK, chunks = full + (tail > 0);  // whole registers, and the rest
   for (int64_t b = 0; b < batch; ++b) {
     std::memcpy(k_pool + new_slots[b] * kv_row, k + b * k_stride, kv_row * sizeof(T));
     std::memcpy(v_pool + new_slots[b] * kv_row, v + b * v_stride, kv_row * sizeof(T));
@@ -169,85 +218,99 @@ void paged_decode(const T* q, int64_t q_stride, const T* k, int64_t k_stride, co
   // buffer for the whole call; here, one after the other
 #pragma omp parallel
   {
-    std::vector<float> scratch(group * (2 * d + KEY_BLOCK + 2));
-    float* const qs = scratch.data();           // [group, d]: the queries, times `scale`
-    float* const acc = qs + group * d;          // [group, d]: the running sum of weight x value
-    float* const p = acc + group * d;           // [group, KEY_BLOCK]: this block's scores, then its weights
-    float* const run_max = p + group * KEY_BLOCK;
-    float* const run_sum = run_max + group;
+    std::vector<f32xC> scratch(group * (2 * chunks + KEY_BLOCK + 1));
+    f32xC* const qs = scratch.data();           // [group, chunks]: the queries, times `scale`, zero past d
+    f32xC* const acc = qs + group * chunks;     // [group, chunks]: the running sum of weight x value
+    f32xC* const part = acc + group * chunks;   // [group, KEY_BLOCK]: each key's CHUNK partial sums of its score
+    f32xC* const weight = part + group * KEY_BLOCK;  // [group]: the block's softmax weights, one lane per key
+    std::vector<float> run_max(group), run_sum(group);
 #pragma omp for schedule(dynamic)
     for (int64_t item = 0; item < batch * n_kv; ++item) {
       const int64_t b = item / n_kv, g = item % n_kv, len = seq_lens[b];
       const int32_t* table = block_tables + b * max_blocks;
       for (int64_t h = 0; h < group; ++h) {
-        for (int64_t i = 0; i < d; ++i)
-          qs[h * d + i] = N::load(q[b * q_stride + (g * group + h) * d + i]) * scale;
-        for (int64_t i = 0; i < d; ++i)
-          acc[h * d + i] = 0.0f;
+        const T* qh = q + b * q_stride + (g * group + h) * d;
+        for (int64_t c = 0; c < chunks; ++c) {
+          qs[h * chunks + c] = load_chunk(qh + c * CHUNK, std::min(CHUNK, d - c * CHUNK)) * scale;
+          acc[h * chunks + c] = f32xC{};
+        }
         run_max[h] = -INFINITY;  // the first block's rescale is then ~0, and multiplies zeros
         run_sum[h] = 0.0f;
       }
-      // where keys lie in the pools (KV head g), found a block ahead and asked for at once: the memory fetches the
-      // next block while this one is computed, instead of stalling at each key
+      // where keys lie in the pools (KV head g), found a block ahead. While a block's key j is scored the memory is
+      // asked for the next block's key j: the fetches overlap the arithmetic, spread out (asked for all at once, they
+      // would outnumber the core's outstanding misses and stall it)
       int64_t at[2][KEY_BLOCK], block = 0, offset = 0;
       auto locate = [&](int64_t* key, int64_t n) {
         for (int64_t j = 0; j < n; ++j) {
           key[j] = ((int64_t)table[block] * block_size + offset) * kv_row + g * d;
           offset = offset + 1 < block_size ? offset + 1 : 0;
           block += offset == 0;
-          for (int64_t i = 0; i < d; i += 64 / (int64_t)sizeof(T)) {  // each 64-byte cache line of k and v
-            __builtin_prefetch(k_pool + key[j] + i);
-            __builtin_prefetch(v_pool + key[j] + i);
-          }
+        }
+      };
+      auto fetch = [&](int64_t key) {
+        for (int64_t i = 0; i < d; i += 64 / (int64_t)sizeof(T)) {  // each 64-byte cache line of k and v
+          __builtin_prefetch(k_pool + key + i);
+          __builtin_prefetch(v_pool + key + i);
         }
       };
       locate(at[0], std::min(len, KEY_BLOCK));
+      for (int64_t j = 0; j < std::min(len, KEY_BLOCK); ++j)
+        fetch(at[0][j]);
       for (int64_t j0 = 0, here = 0; j0 < len; j0 += KEY_BLOCK, here = 1 - here) {
         const int64_t n = std::min(len - j0, KEY_BLOCK);
+        const int64_t next = std::clamp(len - j0 - KEY_BLOCK, (int64_t)0, KEY_BLOCK);  // keys in the next block
         const int64_t* key = at[here];
-        locate(at[1 - here], std::clamp(len - j0 - KEY_BLOCK, (int64_t)0, KEY_BLOCK));  // the next block's keys
-        for (int64_t j = 0; j < n; ++j)  // scores: each key read once, for every query head of the group
+        locate(at[1 - here], next);
+        for (int64_t j = 0; j < n; ++j) {  // scores' partial sums: each key read once, for every query head
+          if (j < next)
+            fetch(at[1 - here][j]);
+          for (int64_t h = 0; h < group; ++h) {
+            const f32xC* qh = qs + h * chunks;
+            f32xC sum = {};
+            for (int64_t c = 0; c < full; ++c)
+              sum += qh[c] * load_chunk(k_pool + key[j] + c * CHUNK);
+            if (tail)
+              sum += qh[full] * load_chunk(k_pool + key[j] + full * CHUNK, tail);
+            part[h * KEY_BLOCK + j] = sum;
+          }
+        }
+        for (int64_t j = n; j < KEY_BLOCK; ++j)  // past a short last block's keys: zeros, summed but never used
           for (int64_t h = 0; h < group; ++h)
-            p[h * KEY_BLOCK + j] = dot(qs + h * d, k_pool + key[j], d);
+            part[h * KEY_BLOCK + j] = f32xC{};
         for (int64_t h = 0; h < group; ++h) {  // online softmax: scores -> weights against the new running max
-          float* ph = p + h * KEY_BLOCK;
+          float score[KEY_BLOCK], p[KEY_BLOCK];
+          const f32xC scores = sum_lanes(part + h * KEY_BLOCK);
+          std::memcpy(score, &scores, sizeof score);
           float new_max = run_max[h], sum = 0;
           for (int64_t j = 0; j < n; ++j)
-            new_max = std::fmax(new_max, ph[j]);
+            new_max = score[j] > new_max ? score[j] : new_max;
 #pragma omp simd reduction(+ : sum)
-          for (int64_t j = 0; j < n; ++j) {
-            ph[j] = exp_fast(ph[j] - new_max);
-            sum += ph[j];
+          for (int64_t j = 0; j < KEY_BLOCK; ++j) {
+            p[j] = j < n ? exp_fast(score[j] - new_max) : 0.0f;
+            sum += p[j];
           }
+          std::memcpy(&weight[h], p, sizeof p);
           const float rescale = exp_fast(run_max[h] - new_max);  // what was summed so far, to the new max
           run_sum[h] = run_sum[h] * rescale + sum;
           run_max[h] = new_max;
-          for (int64_t i = 0; i < d; ++i)
-            acc[h * d + i] *= rescale;
+          for (int64_t c = 0; c < chunks; ++c)
+            acc[h * chunks + c] *= rescale;
         }
-        for (int64_t h = 0; h < group; ++h) {  // values: CHUNK of d at a time, summed over the block in registers
-          float* ah = acc + h * d;
-          const float* ph = p + h * KEY_BLOCK;
-          int64_t i = 0;
-          for (; i + CHUNK <= d; i += CHUNK) {
-            float sum[CHUNK];
-            for (int64_t l = 0; l < CHUNK; ++l)
-              sum[l] = ah[i + l];
+        for (int64_t h = 0; h < group; ++h) {  // values: CHUNK of d at a time, summed over the block in a register
+          for (int64_t c = 0; c < full; ++c) {
+            f32xC sum = acc[h * chunks + c];
             for (int64_t j = 0; j < n; ++j)
-#pragma omp simd
-              for (int64_t l = 0; l < CHUNK; ++l)
-                sum[l] += ph[j] * N::load(v_pool[key[j] + i + l]);
-            for (int64_t l = 0; l < CHUNK; ++l)
-              ah[i + l] = sum[l];
+              sum += weight[h][j] * load_chunk(v_pool + key[j] + c * CHUNK);
+            acc[h * chunks + c] = sum;
           }
-          for (; i < d; ++i)
-            for (int64_t j = 0; j < n; ++j)
-              ah[i] += ph[j] * N::load(v_pool[key[j] + i]);
+          for (int64_t j = 0; tail && j < n; ++j)
+            acc[h * chunks + full] += weight[h][j] * load_chunk(v_pool + key[j] + full * CHUNK, tail);
         }
       }
       for (int64_t h = 0; h < group; ++h)
         for (int64_t i = 0; i < d; ++i)
-          out[(b * n_q + g * group + h) * d + i] = N::store(acc[h * d + i] / run_sum[h]);
+          out[(b * n_q + g * group + h) * d + i] = N::store(acc[h * chunks + i / CHUNK][i % CHUNK] / run_sum[h]);
     }
   }
 }
