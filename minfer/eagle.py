@@ -24,7 +24,7 @@ from .model import ModelConfig, DecoderLayer, NoCache, Registry, make_rope, chec
 from .naive import PackedCausal
 from .gguf import default_model_dir
 from .paged import ATTENTION_BACKENDS, PagedKVCache, BlockTable, OutOfBlocks, build_batch_meta
-from .sequence import SamplingParams
+from .sequence import Sequence, SamplingParams
 from .speculative import SPECULATORS, Speculator, Draft, pass_line
 from .step_times import median_seconds
 from .cli import COMMANDS, Command
@@ -415,23 +415,20 @@ class EagleProposer:
                                           mlp.gate_up_proj, mlp.down_proj)], None, self.head.lm_head.weight)
             self.step_cfg = replace(self.head.cfg, vocab_size=self.head.lm_head.out_features)
 
-    def guessing_seconds(self, at=200):
-        """What guessing takes on this machine (for adaptive k, chapter 10a's `pass_line`): head passes of 1 and 16
-        rows (a sequence's re-run up to position `at`; rows of several sequences cost the same), their blocks taken
-        from the head's pool and given back."""
-        dev, dtype = self.head.fc.weight.device, self.head.fc.weight.dtype
-        table = BlockTable(self.cache.allocator)
-        table.append_slots(at + 1)
-        def time_pass(rows):
-            positions = torch.arange(at + 1 - rows, at + 1, device=dev)
-            tokens = torch.zeros(rows, dtype=torch.long, device=dev)
-            features = torch.zeros(rows, self.hidden, dtype=dtype, device=dev)
-            entries = [(table, p, 1) for p in positions.tolist()]
-            return median_seconds(lambda: self._head(entries, tokens, features, positions))
+    def guessing_seconds(self, at=200, most=16):
+        """What guessing takes on this machine (for adaptive k, chapter 10a's `pass_line`): `propose` itself, one guess
+        each for 1 and for `most` stand-in sequences of `at` tokens, as after a verify (each re-runs its last position
+        only): the Python around the head's pass is part of what a guess costs. Their blocks are given back."""
+        at = max(1, min(at, self.cache.allocator.num_free * self.cache.block_size // most - 1))  # fits a small pool
+        seqs = [Sequence(list(range(at + 1)), SamplingParams()) for _ in range(most)]
+        for s in seqs:
+            s.num_computed = at
         try:
-            return pass_line(time_pass)
+            self.propose(seqs, [1] * most)  # the first call re-runs each one's history; later ones a position
+            return pass_line(lambda rows: median_seconds(lambda: self.propose(seqs[:rows], [1] * rows)), (1, most))
         finally:
-            table.free()
+            for s in seqs:
+                self.states.pop(s.id).table.free()
 
     def _start(self, seq):
         """The first position of `seq` that its next head pass re-runs: the first without the target's feature in the
