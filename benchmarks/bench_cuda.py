@@ -107,7 +107,8 @@ def main():
         for label, seconds in times.items():
             tok_s = batch * args.tokens / statistics.median(seconds)
             step_ms = 1e3 * statistics.median(seconds) / args.tokens
-            lines.append(f"| {batch} | {label} | {tok_s:.0f} | {step_ms:.2f} | {floor:.0f} | {100 * tok_s / floor:.1f}% |")
+            share = 100 * tok_s / floor
+            lines.append(f"| {batch} | {label} | {tok_s:.0f} | {step_ms:.2f} | {floor:.0f} | {share:.1f}% |")
         print("\n".join(lines[-len(times):]), flush=True)
     table = "\n".join(lines)
     print("\n" + table)
