@@ -352,8 +352,8 @@ def awq_gemm(x, qweight, qzeros, scales, group_size, block_m=None, block_n=64, b
     block_m = block_m or (16 if rows <= 16 else 128)
     y = torch.empty(rows, N, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(rows, block_m), triton.cdiv(N, block_n))
-    # the best of small sweeps: 2 warps for short tiles (an H100), 4 for tall ones (an H200)
-    opts = dict(num_warps=2 if block_m <= 16 else 4, num_stages=3) if x.is_cuda else {}
+    warps = 2 if block_m <= 16 else 4  # the best of small sweeps: short tiles on an H100, tall ones on an H200
+    opts = dict(num_warps=warps, num_stages=3) if x.is_cuda else {}
     _awq_gemm_kernel[grid](x2, qweight, qzeros, scales, y, rows, N, K, x2.stride(0), y.stride(0),
                            GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **opts)

@@ -149,7 +149,7 @@ typedef uint32_t u32xC __attribute__((vector_size(CHUNK * 4)));
 typedef int32_t i32xC __attribute__((vector_size(CHUNK * 4)));
 #if defined(__clang__) || __GNUC__ >= 12
 #define PICK_LANES(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else  // GCC before 12 spells it its own way: lanes of a, then of b, numbered 0 .. 2 CHUNK - 1
+#else  // GCC before 12 spells it its own way (lanes of a, then of b, numbered 0 .. 2 CHUNK - 1)
 #define PICK_LANES(a, b, ...) __builtin_shuffle(a, b, (i32xC){__VA_ARGS__})
 #endif
 
